@@ -1,0 +1,36 @@
+# Two commands for a new user (see README.md):
+#   make demo   the main job: a 2-worker, 2-server ResNet-18 training run on this machine
+#   make test   ruff, mypy and the whole test suite
+# Each creates .venv and installs what it needs on first use.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.pskv-installed
+# torch is pinned: on the development machines `pip install torch==2.13.0` takes a local CPU
+# wheel, while an unpinned torch pulls GBs of CUDA packages (DEVELOPERS.md).
+TORCH  ?= torch==2.13.0
+
+.PHONY: test demo install lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check pskv tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/pskv train --report demo/report.json --plot demo/training.png
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

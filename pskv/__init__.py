@@ -1,0 +1,80 @@
+"""pskv: MXNet-style parameter-server training on PyTorch tensors.
+
+>>> import pskv, torch
+>>> kv = pskv.kv.create("local")          # or "device", "dist_sync", "dist_async", ...
+>>> kv.init("w", torch.zeros(3))
+>>> kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1))
+>>> kv.push("w", torch.ones(3)); out = torch.empty(3); kv.pull("w", out)
+
+Submodules that need torch are imported on first use, so that a scheduler process (which
+moves only control messages) starts without loading torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    ClusterError,
+    CompressionError,
+    DeadlineExceeded,
+    DTypeMismatchError,
+    DuplicateInitError,
+    InvalidValueError,
+    KeyNotInitializedError,
+    KeyTypeError,
+    KVStoreError,
+    LaunchError,
+    NodeFailedError,
+    OptimizerError,
+    OptimizerRequiredError,
+    ProtocolError,
+    PSKVError,
+    ShapeMismatchError,
+    SparseError,
+    StoreClosedError,
+    ValueCountError,
+)
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from . import compression, kv, optim
+
+_LAZY = {"kv": "pskv.kv", "optim": "pskv.optim", "compression": "pskv.compression"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'pskv' has no attribute {name!r}")
+
+
+__all__ = [
+    "ClusterError",
+    "CompressionError",
+    "DTypeMismatchError",
+    "DeadlineExceeded",
+    "DuplicateInitError",
+    "InvalidValueError",
+    "KVStoreError",
+    "KeyNotInitializedError",
+    "KeyTypeError",
+    "LaunchError",
+    "NodeFailedError",
+    "OptimizerError",
+    "OptimizerRequiredError",
+    "PSKVError",
+    "ProtocolError",
+    "ShapeMismatchError",
+    "SparseError",
+    "StoreClosedError",
+    "ValueCountError",
+    "__version__",
+    "compression",
+    "kv",
+    "optim",
+]

@@ -1,0 +1,188 @@
+"""Gradient compression: what a worker sends instead of a dense float gradient.
+
+Every codec keeps a *residual* per key (and per device of a device list): the part of the
+gradient not sent yet, added to the next push. With ``r`` the residual and ``g`` the gradient:
+
+- ``2bit`` (threshold t > 0): ``r += g``; send ``+t`` where ``r >= t`` (then ``r -= t``), ``-t``
+  where ``r <= -t`` (then ``r += t``), else 0. 16 values per 32-bit word.
+- ``1bit`` (threshold t): ``r += g``; send ``+1`` where ``r > t`` (then ``r -= 1``), else ``-1``
+  (then ``r += 1``). 32 values per 32-bit word.
+- ``fp16`` / ``bf16``: ``r += g``; send ``r`` cast to half precision; ``r -= sent``.
+
+``init`` values are never compressed. Row-sparse pushes are sent as they are.
+
+>>> codec = Codec.create({"type": "2bit", "threshold": 0.5})
+>>> residual = torch.zeros(4)
+>>> wire = codec.encode(torch.tensor([0.6, -0.2, -0.7, 0.1]), residual)
+>>> codec.decode(wire, 4, torch.float32)
+tensor([ 0.5000,  0.0000, -0.5000,  0.0000])
+
+This module imports nothing else from pskv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .errors import CompressionError
+
+TYPES = ("1bit", "2bit", "bf16", "fp16")
+
+
+class Codec:
+    """One compression type with its parameters; stateless (residuals are passed in)."""
+
+    type: str = "none"
+    threshold: float = 0.0
+
+    @staticmethod
+    def create(params: Mapping[str, Any]) -> Codec:
+        """Build from ``{"type": "2bit"|"1bit"|"fp16"|"bf16", "threshold": t}``."""
+        if not isinstance(params, Mapping):
+            raise CompressionError(f"compression parameters must be a dict, got {params!r}")
+        kind = params.get("type")
+        extra = set(params) - {"type", "threshold"}
+        if extra:
+            raise CompressionError(f"unknown compression parameter(s) {sorted(extra)}; known: type, threshold")
+        if kind in ("2bit", "1bit"):
+            t = params.get("threshold", 0.5 if kind == "2bit" else 0.0)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+                raise CompressionError(f"{kind} threshold must be a number, got {t!r}")
+            if kind == "2bit" and t <= 0:
+                raise CompressionError(f"2bit threshold must be > 0, got {t}")
+            return _TwoBit(float(t)) if kind == "2bit" else _OneBit(float(t))
+        if kind in ("fp16", "bf16"):
+            if "threshold" in params:
+                raise CompressionError(f"{kind} compression takes no threshold")
+            return _Cast(torch.float16 if kind == "fp16" else torch.bfloat16, kind)
+        raise CompressionError(f"unknown compression type {kind!r}; known: {', '.join(TYPES)}")
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type}
+        if self.type in ("1bit", "2bit"):
+            d["threshold"] = self.threshold
+        return d
+
+    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
+        """Fold ``grad`` into ``residual`` (in place) and return the wire tensor."""
+        raise NotImplementedError
+
+    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""
+        raise NotImplementedError
+
+    def wire_numel(self, numel: int) -> int:
+        """How many elements the wire tensor of a ``numel``-element gradient has."""
+        raise NotImplementedError
+
+    def roundtrip(self, grad: Tensor, residual: Tensor) -> Tensor:
+        """``decode(encode(grad))`` shaped like ``grad``: what the receiver will see."""
+        return self.decode(self.encode(grad, residual), grad.numel(), grad.dtype).view(grad.shape)
+
+
+def _pack(codes: Tensor, bits: int) -> Tensor:
+    """Pack small non-negative ints (``< 2**bits``) into int32 words, lowest bits first."""
+    per = 32 // bits
+    n = codes.numel()
+    padded = torch.zeros(-(-n // per) * per, dtype=torch.int64, device=codes.device)
+    padded[:n] = codes.reshape(-1)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)
+    words = (padded.view(-1, per) << shifts).sum(dim=1)
+    # keep the low 32 bits and reinterpret them as a signed int32
+    words = torch.where(words >= 2**31, words - 2**32, words)
+    return words.to(torch.int32)
+
+
+def _unpack(words: Tensor, bits: int, n: int) -> Tensor:
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=words.device)
+    codes = (w.view(-1, 1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:n]
+
+
+class _TwoBit(Codec):
+    type = "2bit"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
+        r = residual.view(-1)
+        r.add_(grad.reshape(-1).to(r.dtype))
+        pos = r >= self.threshold
+        neg = r <= -self.threshold
+        r.sub_(pos.to(r.dtype) * self.threshold).add_(neg.to(r.dtype) * self.threshold)
+        codes = pos.to(torch.int64) | (neg.to(torch.int64) << 1)  # 0: zero, 1: +t, 2: -t
+        return _pack(codes, 2)
+
+    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        codes = _unpack(wire, 2, numel)
+        out = torch.zeros(numel, dtype=dtype, device=wire.device)
+        out[codes == 1] = self.threshold
+        out[codes == 2] = -self.threshold
+        return out
+
+    def wire_numel(self, numel: int) -> int:
+        return -(-numel // 16)
+
+
+class _OneBit(Codec):
+    type = "1bit"
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
+        r = residual.view(-1)
+        r.add_(grad.reshape(-1).to(r.dtype))
+        pos = r > self.threshold
+        r.sub_(pos.to(r.dtype) * 2 - 1)
+        return _pack(pos.to(torch.int64), 1)
+
+    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        bits = _unpack(wire, 1, numel)
+        return (bits * 2 - 1).to(dtype)
+
+    def wire_numel(self, numel: int) -> int:
+        return -(-numel // 32)
+
+
+class _Cast(Codec):
+    def __init__(self, wire_dtype: torch.dtype, name: str):
+        self.wire_dtype = wire_dtype
+        self.type = name
+
+    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
+        r = residual.view(-1)
+        r.add_(grad.reshape(-1).to(r.dtype))
+        sent = r.to(self.wire_dtype)
+        r.sub_(sent.to(r.dtype))
+        return sent
+
+    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+        return wire.reshape(-1).to(dtype)
+
+    def wire_numel(self, numel: int) -> int:
+        return numel
+
+
+class Compressor:
+    """A codec plus the residuals of one store, kept per ``(key, device index)``.
+
+    Not thread-safe; the store calls it under its own lock.
+    """
+
+    def __init__(self, params: Mapping[str, Any]):
+        self.codec = Codec.create(params)
+        self._residuals: dict[tuple[int, int], Tensor] = {}
+
+    def residual(self, key: int, index: int, like: Tensor) -> Tensor:
+        """The residual of ``key``'s ``index``-th device value (zeros at first)."""
+        r = self._residuals.get((key, index))
+        if r is None:
+            r = self._residuals[(key, index)] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+        return r

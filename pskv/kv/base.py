@@ -1,0 +1,466 @@
+"""The store API that every type shares: keys, argument checking, the public methods.
+
+A concrete store (``local``, ``device``, the ``dist_*`` client) implements a handful of
+``_..._impl`` hooks; everything a user can get wrong is checked here first, before any hook
+runs, so a rejected call changes nothing and every key stays usable.
+"""
+
+from __future__ import annotations
+
+import builtins
+import numbers
+import threading
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .. import errors
+from ..compression import Compressor
+from ..optim import Optimizer
+
+Key = Union[int, str]
+KeyArg = Union[Key, Sequence[Key]]
+ValueArg = Union[Tensor, Sequence[Any]]
+
+STATE_FORMAT = "pskv-optimizer-states/1"
+
+
+@dataclass(frozen=True)
+class KeyMeta:
+    """What a store knows about a key from its ``init``."""
+
+    key: Key  # as the user wrote it
+    id: int  # the int key itself, or the init order of a str key
+    shape: torch.Size
+    dtype: torch.dtype
+    row_sparse: bool  # initialised with a row-sparse value
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def row_numel(self) -> int:
+        return self.numel // self.shape[0] if len(self.shape) and self.shape[0] else 0
+
+    def __str__(self) -> str:
+        return f"key {self.key!r}"
+
+
+def is_row_sparse(t: Tensor) -> bool:
+    """A sparse COO tensor whose indices select whole rows (``sparse_dim() == 1``)."""
+    return t.layout == torch.sparse_coo and t.sparse_dim() == 1
+
+
+def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The sum of ``values`` made on ``device``; never aliases an input.
+
+    Dense values give a dense sum; all row-sparse values give a coalesced row-sparse sum; a mix
+    gives a dense sum.
+    """
+    dense = [v for v in values if not v.is_sparse]
+    sparse = [v for v in values if v.is_sparse]
+    if not dense:
+        if len(sparse) == 1:
+            return sparse[0].to(device, copy=True).coalesce()
+        idx = torch.cat([s.coalesce().indices().to(device) for s in sparse], dim=1)
+        val = torch.cat([s.coalesce().values().to(device) for s in sparse], dim=0)
+        return torch.sparse_coo_tensor(idx, val, sparse[0].shape, check_invariants=False).coalesce()
+    out = dense[0].detach().to(device, copy=True)
+    for v in dense[1:]:
+        out.add_(v.detach().to(device))
+    for s in sparse:
+        out.add_(s.detach().to(device))
+    return out
+
+
+def write_rows(out: Tensor, rows: Tensor, data: Tensor) -> None:
+    """Make ``out`` hold exactly ``rows`` (sorted, unique) with ``data``; other rows absent/zero."""
+    if out.is_sparse:
+        src = torch.sparse_coo_tensor(
+            rows.unsqueeze(0).to(out.device), data.to(out.device, out.dtype), out.shape, check_invariants=False
+        )
+        out.copy_(src.coalesce())
+    else:
+        out.zero_()
+        out.index_copy_(0, rows.to(out.device), data.to(out.device, out.dtype))
+
+
+def _fmt_shape(s: Sequence[int]) -> str:
+    return "(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+
+
+class KVStore(ABC):
+    """A key-value store for parameters. Create one with :func:`pskv.kv.create`.
+
+    Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device,
+    a list of tensors (one per device), or, for a list of keys, a list of those. Every public
+    method takes the store's lock, so a store may be shared by threads, one call at a time.
+
+    >>> kv = pskv.kv.create("local")
+    >>> kv.init("w", torch.ones(2, 3))
+    >>> kv.push("w", [torch.ones(2, 3), 2 * torch.ones(2, 3)])   # summed: 3
+    >>> out = torch.empty(2, 3); kv.pull("w", out)               # out is all 3
+    """
+
+    def __init__(self, type_name: str):
+        self._type = type_name
+        self._keys: dict[Key, KeyMeta] = {}
+        self._key_kind: Optional[builtins.type] = None
+        self._optimizer: Optional[Optimizer] = None
+        self._compressor: Optional[Compressor] = None
+        self._closed = False
+        self._lock = threading.RLock()
+
+    # -- identity -------------------------------------------------------------------------------
+
+    @property
+    def type(self) -> str:
+        """The store's type name, e.g. ``"local"`` or ``"dist_sync"``."""
+        return self._type
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, ``0 .. num_workers - 1`` (0 for in-process stores)."""
+        return 0
+
+    @property
+    def num_workers(self) -> int:
+        """How many workers push to this store (1 for in-process stores)."""
+        return 1
+
+    def __repr__(self) -> str:
+        return f"<pskv KVStore {self.type!r} rank {self.rank}/{self.num_workers}, {len(self._keys)} keys>"
+
+    # -- keys -------------------------------------------------------------------------------------
+
+    def _check_key(self, key: object, kind: Optional[builtins.type] = None) -> Key:
+        kind = kind or self._key_kind
+        k: Key
+        if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+            k = int(key)
+            if not 0 <= int(key) < 2**62:
+                raise errors.KeyTypeError(f"int keys must be in [0, 2**62), got {k}")
+        elif isinstance(key, str):
+            k = key
+        else:
+            raise errors.KeyTypeError(f"keys must be int or str, got {type(key).__name__} {key!r:.80}")
+        if kind is not None and type(k) is not kind:
+            raise errors.KeyTypeError(
+                f"key {k!r} is a {type(k).__name__}, but this store's keys are {kind.__name__}s "
+                "(one store never mixes int and str keys)"
+            )
+        return k
+
+    def _meta(self, key: object) -> KeyMeta:
+        k = self._check_key(key)
+        meta = self._keys.get(k)
+        if meta is None:
+            raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
+        return meta
+
+    # -- argument normalisation -----------------------------------------------------------------
+
+    @staticmethod
+    def _pairs(key: KeyArg, value: Any, what: str) -> list[tuple[Any, list[Tensor]]]:
+        """``[(key, [tensor, ...]), ...]`` from a key or list of keys and the matching values."""
+        if isinstance(key, (list, tuple)):
+            if not isinstance(value, (list, tuple)):
+                raise errors.ValueCountError(f"{len(key)} keys were given but {what} is not a list")
+            if len(value) != len(key):
+                raise errors.ValueCountError(f"{len(key)} keys were given with {len(value)} {what}s")
+            if not key:
+                raise errors.ValueCountError("an empty list of keys")
+            return [(k, KVStore._tensors(k, v, what)) for k, v in zip(key, value)]
+        return [(key, KVStore._tensors(key, value, what))]
+
+    @staticmethod
+    def _tensors(key: object, value: Any, what: str) -> list[Tensor]:
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        if not items:
+            raise errors.ValueCountError(f"key {key!r}: an empty list of {what}s")
+        for v in items:
+            if not isinstance(v, Tensor):
+                raise errors.InvalidValueError(f"key {key!r}: {what} must be a torch.Tensor, got {type(v).__name__}")
+            if v.layout not in (torch.strided, torch.sparse_coo):
+                raise errors.InvalidValueError(f"key {key!r}: {what} has unsupported layout {v.layout}")
+            if v.is_sparse and not is_row_sparse(v):
+                raise errors.SparseError(
+                    f"key {key!r}: a sparse {what} must be row-sparse (sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}"
+                )
+        return items
+
+    @staticmethod
+    def _check_like(meta: KeyMeta, t: Tensor, what: str) -> None:
+        if t.shape != meta.shape:
+            raise errors.ShapeMismatchError(
+                f"{meta}: {what} has shape {_fmt_shape(t.shape)} but the key was initialised with shape {_fmt_shape(meta.shape)}"
+            )
+        if t.dtype != meta.dtype:
+            raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
+
+    def _grouped(self, pairs: list[tuple[Any, list[Tensor]]], what: str) -> list[tuple[KeyMeta, list[Tensor]]]:
+        """Validated ``(meta, tensors)`` per distinct key, in first-seen order (repeats joined)."""
+        groups: dict[int, tuple[KeyMeta, list[Tensor]]] = {}
+        for k, ts in pairs:
+            meta = self._meta(k)
+            for t in ts:
+                self._check_like(meta, t, what)
+            if meta.id in groups:
+                groups[meta.id][1].extend(ts)
+            else:
+                groups[meta.id] = (meta, list(ts))
+        return list(groups.values())
+
+    # -- public API -----------------------------------------------------------------------------
+
+    def init(self, key: KeyArg, value: ValueArg) -> None:
+        """Create ``key`` with ``value`` (a tensor; of a list of device copies the first is used).
+
+        Every worker of a job ``init``\\s the same keys in the same order. Blocks until the value
+        is stored. A second ``init`` of a key is a :class:`~pskv.errors.DuplicateInitError`.
+        """
+        with self._lock:
+            self._check_open()
+            pairs = self._pairs(key, value, "value")
+            kind = self._key_kind
+            new: list[tuple[KeyMeta, Tensor]] = []
+            seen: set[Key] = set()
+            next_str_id = sum(1 for k in self._keys if isinstance(k, str))
+            for k_raw, ts in pairs:
+                k = self._check_key(k_raw, kind)
+                kind = kind or type(k)
+                if k in self._keys or k in seen:
+                    raise errors.DuplicateInitError(f"key {k!r} was already initialised")
+                seen.add(k)
+                v = ts[0]
+                if v.is_sparse and v.dim() < 1:
+                    raise errors.SparseError(f"key {k!r}: a row-sparse value needs at least one dimension")
+                kid = k if isinstance(k, int) else next_str_id
+                if isinstance(k, str):
+                    next_str_id += 1
+                new.append((KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v))
+            with torch.no_grad():
+                self._init_impl(new)
+            self._key_kind = kind
+            for meta, _ in new:
+                self._keys[meta.key] = meta
+
+    def push(self, key: KeyArg, value: ValueArg, priority: int = 0) -> None:
+        """Push ``value`` (a tensor or a list of per-device tensors) to ``key``.
+
+        The list is summed, and so are values of a key repeated in one call. Without an
+        optimizer the stored value is replaced by the sum; with one, the optimizer updates the
+        stored value with the sum as gradient. The pushed tensors are never modified. Higher
+        ``priority`` is sent first by the distributed stores.
+        """
+        with self._lock:
+            self._check_open()
+            groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
+            with torch.no_grad():
+                self._push_impl(groups, int(priority))
+
+    def pull(self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True) -> None:
+        """Copy the value of ``key`` into ``out`` (a tensor or a list; each gets the value).
+
+        Sees every earlier push of this caller. A row-sparse key cannot be pulled into a dense
+        ``out`` (use :meth:`row_sparse_pull`); sparse outputs are skipped, with one warning, when
+        ``ignore_sparse`` is true, and receive every row otherwise. Blocks until written.
+        """
+        with self._lock:
+            self._check_open()
+            groups = self._grouped(self._pairs(key, out, "out"), "out")
+            kept: list[tuple[KeyMeta, list[Tensor]]] = []
+            skipped: list[Key] = []
+            for meta, outs in groups:
+                dense_outs = [o for o in outs if not o.is_sparse]
+                if meta.row_sparse and dense_outs:
+                    raise errors.SparseError(f"{meta} is row-sparse; pull it with row_sparse_pull(key, out, row_ids), not into a dense out")
+                if ignore_sparse and len(dense_outs) < len(outs):
+                    skipped.append(meta.key)
+                    outs = dense_outs
+                if outs:
+                    kept.append((meta, outs))
+            if skipped:
+                warnings.warn(
+                    f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
+                    "use row_sparse_pull to fetch rows",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            if kept:
+                with torch.no_grad():
+                    self._pull_impl(kept, int(priority))
+
+    def pushpull(self, key: KeyArg, value: ValueArg, out: Optional[ValueArg] = None, priority: int = 0) -> None:
+        """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into ``value``."""
+        with self._lock:
+            self._check_open()
+            target = value if out is None else out
+            groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
+            self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
+            with torch.no_grad():
+                self._push_impl(groups, int(priority))
+            self.pull(key, target, priority)
+
+    def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:
+        """``init(key, value)`` then ``pull(key, out)``: every worker gets rank 0's value."""
+        with self._lock:
+            self._check_open()
+            for (k, vals), (_, outs) in zip(self._pairs(key, value, "value"), self._pairs(key, out, "out")):
+                like = KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse)
+                for o in outs:
+                    self._check_like(like, o, "out")
+            self.init(key, value)
+            self.pull(key, out, priority)
+
+    def row_sparse_pull(self, key: KeyArg, out: ValueArg, row_ids: ValueArg, priority: int = 0) -> None:
+        """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``.
+
+        A sparse ``out`` ends up holding exactly those rows; a dense one holds them with every
+        other row zero. With a list of outputs, ``row_ids`` is one tensor for all or a list with
+        one per output.
+        """
+        with self._lock:
+            self._check_open()
+            pairs = self._pairs(key, out, "out")
+            if isinstance(key, (list, tuple)):
+                if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
+                    raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(key)} keys)")
+                rid_items = list(row_ids)
+            else:
+                rid_items = [row_ids]
+            groups: list[tuple[KeyMeta, list[Tensor], list[Tensor]]] = []
+            for (k, outs), rids in zip(pairs, rid_items):
+                meta = self._meta(k)
+                for o in outs:
+                    self._check_like(meta, o, "out")
+                rid_list = self._tensors(k, rids, "row_ids")
+                if len(rid_list) == 1:
+                    rid_list = rid_list * len(outs)
+                if len(rid_list) != len(outs):
+                    raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rid_list)} row_ids")
+                checked = [self._check_rows(meta, r) for r in rid_list]
+                groups.append((meta, outs, checked))
+            with torch.no_grad():
+                self._row_sparse_pull_impl(groups, int(priority))
+
+    @staticmethod
+    def _check_rows(meta: KeyMeta, rows: Tensor) -> Tensor:
+        if rows.is_sparse or rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise errors.SparseError(f"{meta}: row_ids must be a 1-D integer tensor, got {rows.dtype} of shape {_fmt_shape(rows.shape)}")
+        if not meta.shape:
+            raise errors.SparseError(f"{meta}: a scalar has no rows")
+        rows = rows.detach().to("cpu", torch.int64)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= meta.shape[0]):
+            raise errors.SparseError(f"{meta}: row_ids must be in [0, {meta.shape[0]}), got min {int(rows.min())}, max {int(rows.max())}")
+        unique: Tensor = torch.unique(rows)  # sorted
+        return unique
+
+    def set_optimizer(self, optimizer: Optimizer) -> None:
+        """Run ``optimizer`` on every push from now on (on the servers for dist types)."""
+        with self._lock:
+            self._check_open()
+            if not isinstance(optimizer, Optimizer):
+                raise errors.OptimizerError(
+                    f"set_optimizer takes a pskv.optim.Optimizer (pskv.optim.create(...)), got {type(optimizer).__name__}"
+                )
+            self._set_optimizer_impl(optimizer)
+
+    def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
+        """Compress pushed gradients, e.g. ``{"type": "2bit", "threshold": 0.5}`` (see :mod:`pskv.compression`)."""
+        with self._lock:
+            self._check_open()
+            self._compressor = Compressor(compression_params)
+            self._set_compression_impl(self._compressor)
+
+    def save_optimizer_states(self, fname: Union[str, Path], dump_optimizer: bool = False) -> None:
+        """Write every key's optimizer state (fetched from the servers for dist types) to ``fname``.
+
+        The file is independent of the number of servers. ``dump_optimizer`` is accepted for
+        MXNet compatibility: the optimizer description is always included.
+        """
+        with self._lock:
+            self._check_open()
+            state = self._optimizer_state()
+            state["format"] = STATE_FORMAT
+            state["key_names"] = {m.id: m.key for m in self._keys.values()}
+            torch.save(state, str(fname))
+
+    def load_optimizer_states(self, fname: Union[str, Path]) -> None:
+        """Restore states written by :meth:`save_optimizer_states` (to the servers for dist types)."""
+        with self._lock:
+            self._check_open()
+            try:
+                state = torch.load(str(fname), map_location="cpu", weights_only=True)
+            except Exception as exc:
+                raise errors.OptimizerError(f"cannot read optimizer states from {fname}: {exc}") from exc
+            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+                raise errors.OptimizerError(f"{fname} is not a pskv optimizer-state file")
+            self._load_optimizer_state(state)
+
+    def barrier(self) -> None:
+        """Block until every worker reaches its barrier (a no-op for in-process stores)."""
+        with self._lock:
+            self._check_open()
+            self._barrier_impl()
+
+    def close(self) -> None:
+        """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._close_impl()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, exc_type: Optional[builtins.type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise errors.StoreClosedError(f"the {self.type!r} store was closed")
+
+    # -- hooks of the concrete stores -----------------------------------------------------------
+
+    @abstractmethod
+    def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
+
+    @abstractmethod
+    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None: ...
+
+    @abstractmethod
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None: ...
+
+    @abstractmethod
+    def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None: ...
+
+    @abstractmethod
+    def _set_optimizer_impl(self, optimizer: Optimizer) -> None: ...
+
+    def _set_compression_impl(self, compressor: Compressor) -> None:
+        """Called after ``self._compressor`` is set; the dist client tells the servers."""
+
+    @abstractmethod
+    def _optimizer_state(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+
+    def _barrier_impl(self) -> None:
+        """In-process stores have nothing to wait for."""
+
+    def _close_impl(self) -> None:
+        """In-process stores hold nothing that needs releasing."""

@@ -1,0 +1,474 @@
+"""Optimizers that run where the weights live: in the worker's process or on the servers.
+
+An :class:`Optimizer` is a plain description (a name, numbers, an optional learning-rate
+schedule) plus update rules written in torch ops. Only the description travels to servers, as
+JSON; the rules are looked up by name on the other side. Nothing is pickled.
+
+The rules follow ``torch.optim``'s single-tensor code paths operation by operation, so the same
+hyperparameters give the same numbers (the tests compare them after several steps):
+
+======== =================================== ==============================================
+name     hyperparameters (besides the common) torch equivalent
+======== =================================== ==============================================
+sgd      momentum, dampening, nesterov        ``torch.optim.SGD``
+adam     beta1, beta2, epsilon                ``torch.optim.Adam``; row-sparse grads: ``SparseAdam``
+adamw    beta1, beta2, epsilon (wd=0.01)      ``torch.optim.AdamW``
+adagrad  epsilon, lr_decay, initial_accumulator_value  ``torch.optim.Adagrad`` (dense and sparse)
+======== =================================== ==============================================
+
+Common hyperparameters, applied in this order (as MXNet did): ``grad * rescale_grad``, then
+clipped elementwise to ``[-clip_gradient, clip_gradient]`` (when set), then the rule, which adds
+``wd * weight`` the way torch's ``weight_decay`` does (decoupled for adamw).
+``learning_rate`` may follow ``lr_scheduler``: ``{"name": "step", "step": N, "factor": f}``,
+``{"name": "multifactor", "step": [N1, N2, ...], "factor": f}`` or
+``{"name": "cosine", "max_update": N, "final_lr": 0, "warmup_steps": 0, "warmup_begin_lr": 0}``,
+evaluated at the optimizer's update count (the largest number of updates any key has had).
+
+Row-sparse gradients (``torch.sparse_coo_tensor`` with ``sparse_dim() == 1``) update only the
+rows present ("lazy" updates, as MXNet and ``SparseAdam`` do).
+
+>>> opt = create("sgd", learning_rate=0.1, momentum=0.9, wd=5e-4)
+>>> w = torch.ones(3); opt.update(0, torch.full((3,), 2.0), w)
+>>> w
+tensor([0.7999, 0.7999, 0.7999])
+
+This module imports nothing else from pskv, so servers can load it alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .errors import OptimizerError
+
+Number = Union[int, float, bool]
+Hyper = dict[str, Number]
+
+_COMMON: Hyper = {"learning_rate": 0.01, "wd": 0.0, "rescale_grad": 1.0, "clip_gradient": -1.0}
+
+# Names a user coming from torch.optim may type, and what pskv calls them.
+_ALIASES = {
+    "lr": "learning_rate",
+    "weight_decay": "wd",
+    "eps": "epsilon",
+    "betas": "beta1 and beta2",
+    "initial_accumulator": "initial_accumulator_value",
+    "clip_grad": "clip_gradient",
+}
+
+
+@dataclass
+class KeyState:
+    """What one key's optimizer keeps: its update count and named state tensors."""
+
+    step: int
+    tensors: dict[str, Tensor]
+
+
+StepFn = Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
+
+
+@dataclass(frozen=True)
+class _Rule:
+    defaults: Hyper
+    state: Callable[[Hyper, Tensor], dict[str, Tensor]]
+    dense: StepFn
+    sparse: StepFn
+
+
+# ---------------------------------------------------------------------------------------------
+# update rules: (hyper, lr, state, grad, weight) -> None, weight updated in place.
+# `grad` already has rescale_grad and clip_gradient applied and is never the caller's tensor.
+
+
+def _sgd_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
+    return {"momentum_buffer": torch.zeros_like(w)} if h["momentum"] != 0 else {}
+
+
+def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    if h["wd"] != 0:
+        g = g.add(w, alpha=h["wd"])
+    momentum = float(h["momentum"])
+    if momentum != 0:
+        buf = st.tensors["momentum_buffer"]
+        if st.step == 1:
+            buf.copy_(g)
+        else:
+            buf.mul_(momentum).add_(g, alpha=1 - h["dampening"])
+        g = g.add(buf, alpha=momentum) if h["nesterov"] else buf
+    w.add_(g, alpha=-lr)
+
+
+def _sgd_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    rows, vals = _rows(g)
+    if h["wd"] == 0 and h["momentum"] == 0:
+        w.index_add_(0, rows, vals, alpha=-lr)  # what torch.optim.SGD does with a sparse grad
+        return
+    # lazy: the dense rule on the rows present
+    wr = w.index_select(0, rows)
+    if h["wd"] != 0:
+        vals = vals.add(wr, alpha=h["wd"])
+    momentum = float(h["momentum"])
+    if momentum != 0:
+        buf = st.tensors["momentum_buffer"]
+        br = vals.clone() if st.step == 1 else buf.index_select(0, rows).mul_(momentum).add_(vals, alpha=1 - h["dampening"])
+        buf.index_copy_(0, rows, br)
+        vals = vals.add(br, alpha=momentum) if h["nesterov"] else br
+    w.index_copy_(0, rows, wr.add_(vals, alpha=-lr))
+
+
+def _adam_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
+    return {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
+
+
+def _adam_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoupled: bool = False) -> None:
+    b1, b2, wd = float(h["beta1"]), float(h["beta2"]), float(h["wd"])
+    if wd != 0:
+        if decoupled:
+            w.mul_(1 - lr * wd)
+        else:
+            g = g.add(w, alpha=wd)
+    m, v = st.tensors["exp_avg"], st.tensors["exp_avg_sq"]
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    bias_correction1 = 1 - b1**st.step
+    bias_correction2 = 1 - b2**st.step
+    step_size = lr / bias_correction1
+    denom = (v.sqrt() / bias_correction2**0.5).add_(h["epsilon"])
+    w.addcdiv_(m, denom, value=-step_size)
+
+
+def _adamw_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    _adam_dense(h, lr, st, g, w, decoupled=True)
+
+
+def _adam_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoupled: bool = False) -> None:
+    # torch.optim.SparseAdam's arithmetic, on rows instead of sparse tensors
+    rows, vals = _rows(g)
+    b1, b2, wd = float(h["beta1"]), float(h["beta2"]), float(h["wd"])
+    if wd != 0:
+        wr = w.index_select(0, rows)
+        if decoupled:
+            w.index_copy_(0, rows, wr.mul_(1 - lr * wd))
+        else:
+            vals = vals.add(wr, alpha=wd)
+    m, v = st.tensors["exp_avg"], st.tensors["exp_avg_sq"]
+    old_m = m.index_select(0, rows)
+    upd_m = vals.sub(old_m).mul_(1 - b1)
+    m.index_add_(0, rows, upd_m)
+    old_v = v.index_select(0, rows)
+    upd_v = vals.pow(2).sub_(old_v).mul_(1 - b2)
+    v.index_add_(0, rows, upd_v)
+    numer = upd_m.add_(old_m)
+    denom = upd_v.add_(old_v).sqrt_().add_(h["epsilon"])
+    bias_correction1 = 1 - b1**st.step
+    bias_correction2 = 1 - b2**st.step
+    step_size = lr * math.sqrt(bias_correction2) / bias_correction1
+    w.index_add_(0, rows, -step_size * numer.div_(denom))
+
+
+def _adamw_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    _adam_sparse(h, lr, st, g, w, decoupled=True)
+
+
+def _adagrad_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
+    return {"sum": torch.full_like(w, float(h["initial_accumulator_value"]))}
+
+
+def _adagrad_lr(h: Hyper, lr: float, step: int) -> float:
+    return lr / (1 + (step - 1) * h["lr_decay"])
+
+
+def _adagrad_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    if h["wd"] != 0:
+        g = g.add(w, alpha=h["wd"])
+    acc = st.tensors["sum"]
+    acc.addcmul_(g, g, value=1)
+    std = acc.sqrt().add_(h["epsilon"])
+    w.addcdiv_(g, std, value=-_adagrad_lr(h, lr, st.step))
+
+
+def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    rows, vals = _rows(g)
+    if h["wd"] != 0:  # torch refuses wd with sparse grads; lazily on the rows present here
+        vals = vals.add(w.index_select(0, rows), alpha=h["wd"])
+    acc = st.tensors["sum"]
+    acc.index_add_(0, rows, vals.pow(2))
+    std = acc.index_select(0, rows).sqrt_().add_(h["epsilon"])
+    w.index_add_(0, rows, vals / std, alpha=-_adagrad_lr(h, lr, st.step))
+
+
+_RULES: dict[str, _Rule] = {
+    "sgd": _Rule({"momentum": 0.0, "dampening": 0.0, "nesterov": False}, _sgd_state, _sgd_dense, _sgd_sparse),
+    "adam": _Rule({"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, _adam_state, _adam_dense, _adam_sparse),
+    "adamw": _Rule(
+        {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "wd": 0.01}, _adam_state, _adamw_dense, _adamw_sparse
+    ),
+    "adagrad": _Rule(
+        {"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
+        _adagrad_state,
+        _adagrad_dense,
+        _adagrad_sparse,
+    ),
+}
+
+OPTIMIZERS = tuple(sorted(_RULES))
+
+
+def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
+    """Row indices (unique, sorted) and row values of a row-sparse gradient."""
+    g = g.coalesce()
+    return g.indices()[0], g.values()
+
+
+# ---------------------------------------------------------------------------------------------
+# learning-rate schedules
+
+
+_SCHEDULES: dict[str, dict[str, Any]] = {
+    "step": {"step": None, "factor": 0.1},
+    "multifactor": {"step": None, "factor": 0.1},
+    "cosine": {"max_update": None, "final_lr": 0.0, "warmup_steps": 0, "warmup_begin_lr": 0.0},
+}
+
+
+def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise OptimizerError(f"lr_scheduler must be a dict with a 'name' out of {sorted(_SCHEDULES)}, got {spec!r}")
+    name = spec["name"]
+    if name not in _SCHEDULES:
+        raise OptimizerError(f"unknown lr_scheduler {name!r}; known: {sorted(_SCHEDULES)}")
+    out: dict[str, Any] = {"name": name}
+    for field, default in _SCHEDULES[name].items():
+        value = spec.get(field, default)
+        if value is None:
+            raise OptimizerError(f"lr_scheduler {name!r} needs {field!r}")
+        out[field] = value
+    unknown = set(spec) - set(out)
+    if unknown:
+        raise OptimizerError(f"lr_scheduler {name!r} does not take {sorted(unknown)}")
+    steps = out.get("step") if name == "multifactor" else None
+    if name == "multifactor":
+        if not isinstance(steps, list) or not steps or not all(_is_int(s) and s > 0 for s in steps):
+            raise OptimizerError(f"lr_scheduler 'multifactor' needs 'step' as a list of positive ints, got {steps!r}")
+        if steps != sorted(steps):
+            raise OptimizerError(f"lr_scheduler 'multifactor' steps must increase, got {steps!r}")
+    for field, value in out.items():
+        if field in ("name",) or (field == "step" and name == "multifactor"):
+            continue
+        if not _is_number(value):
+            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
+    if name == "step" and not (_is_int(out["step"]) and out["step"] > 0):
+        raise OptimizerError(f"lr_scheduler 'step' needs a positive int 'step', got {out['step']!r}")
+    if name == "cosine" and not (_is_int(out["max_update"]) and out["max_update"] > out["warmup_steps"] >= 0):
+        raise OptimizerError("lr_scheduler 'cosine' needs int max_update > warmup_steps >= 0")
+    return out
+
+
+def scheduled_lr(base_lr: float, schedule: Optional[Mapping[str, Any]], num_update: int) -> float:
+    """The learning rate of update number ``num_update`` (1-based) under ``schedule``."""
+    if schedule is None or num_update < 1:
+        return base_lr
+    name = schedule["name"]
+    if name == "step":
+        return float(base_lr * schedule["factor"] ** ((num_update - 1) // schedule["step"]))
+    if name == "multifactor":
+        passed = sum(1 for s in schedule["step"] if num_update > s)
+        return float(base_lr * schedule["factor"] ** passed)
+    warm, top, final = schedule["warmup_steps"], schedule["max_update"], schedule["final_lr"]
+    if num_update <= warm:
+        begin = schedule["warmup_begin_lr"]
+        return float(begin + (base_lr - begin) * num_update / warm)
+    if num_update >= top:
+        return float(final)
+    return float(final + (base_lr - final) * (1 + math.cos(math.pi * (num_update - warm) / (top - warm))) / 2)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class Optimizer:
+    """An optimizer description plus its per-key state. Build one with :func:`create`.
+
+    ``update(key, grad, weight)`` changes ``weight`` in place and keeps the key's state (momentum
+    buffers, moments, step count) inside this object. Not thread-safe: one caller at a time (the
+    store or server that owns the weights).
+    """
+
+    def __init__(self, name: str, hyper: Mapping[str, Any], lr_scheduler: Optional[Mapping[str, Any]] = None):
+        if not isinstance(name, str) or name.lower() not in _RULES:
+            raise OptimizerError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
+        self.name = name.lower()
+        rule = _RULES[self.name]
+        full: Hyper = {**_COMMON, **rule.defaults}
+        for key, value in hyper.items():
+            if key not in full:
+                hint = f"; did you mean {_ALIASES[key]!r}?" if key in _ALIASES else ""
+                raise OptimizerError(
+                    f"optimizer {self.name!r} has no hyperparameter {key!r}{hint} (it takes: {', '.join(sorted(full))})"
+                )
+            if key == "clip_gradient" and value is None:
+                value = -1.0
+            expect_bool = isinstance(full[key], bool)
+            if expect_bool and not isinstance(value, bool):
+                raise OptimizerError(f"{self.name}: {key} must be True or False, got {value!r}")
+            if not expect_bool and not _is_number(value):
+                raise OptimizerError(f"{self.name}: {key} must be a finite number, got {value!r}")
+            full[key] = value if expect_bool else float(value)
+        self._check(full)
+        self._hyper = full
+        self._schedule = None if lr_scheduler is None else _check_schedule(lr_scheduler)
+        self._rule = rule
+        self.states: dict[int, KeyState] = {}
+        self.num_update = 0
+
+    @staticmethod
+    def _check(h: Hyper) -> None:
+        if h["learning_rate"] < 0:
+            raise OptimizerError(f"learning_rate must be >= 0, got {h['learning_rate']}")
+        if h["wd"] < 0:
+            raise OptimizerError(f"wd must be >= 0, got {h['wd']}")
+        for b in ("beta1", "beta2"):
+            if b in h and not 0.0 <= h[b] < 1.0:
+                raise OptimizerError(f"{b} must be in [0, 1), got {h[b]}")
+        if "momentum" in h:
+            if h["momentum"] < 0:
+                raise OptimizerError(f"momentum must be >= 0, got {h['momentum']}")
+            if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
+                raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
+        if h.get("epsilon", 0.0) < 0:
+            raise OptimizerError(f"epsilon must be >= 0, got {h['epsilon']}")
+
+    # -- description (what travels) ------------------------------------------------------------
+
+    @property
+    def hyper(self) -> Hyper:
+        """All hyperparameters, defaults filled in (a copy)."""
+        return dict(self._hyper)
+
+    @property
+    def lr_scheduler(self) -> Optional[dict[str, Any]]:
+        return None if self._schedule is None else dict(self._schedule)
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON-able description: ``{"name", "hyper", "lr_scheduler"}``."""
+        return {"name": self.name, "hyper": self.hyper, "lr_scheduler": self.lr_scheduler}
+
+    @classmethod
+    def from_description(cls, desc: Mapping[str, Any]) -> Optimizer:
+        """Rebuild from :meth:`describe`'s output; anything malformed is an ``OptimizerError``."""
+        if not isinstance(desc, Mapping) or set(desc) - {"name", "hyper", "lr_scheduler"}:
+            raise OptimizerError(f"not an optimizer description: {desc!r:.200}")
+        hyper = desc.get("hyper", {})
+        if not isinstance(hyper, Mapping):
+            raise OptimizerError(f"optimizer hyper must be a dict, got {hyper!r:.200}")
+        return cls(desc.get("name"), hyper, desc.get("lr_scheduler"))  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        changed = {k: v for k, v in self._hyper.items() if v != {**_COMMON, **self._rule.defaults}[k]}
+        sched = f", lr_scheduler={self._schedule}" if self._schedule else ""
+        return f"pskv.optim.create({self.name!r}, {', '.join(f'{k}={v}' for k, v in changed.items())}{sched})"
+
+    # -- learning rate --------------------------------------------------------------------------
+
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate the next update uses (schedule applied)."""
+        return scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update + 1)
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Set the base learning rate (a schedule, if any, is applied on top of it)."""
+        if not _is_number(lr) or lr < 0:
+            raise OptimizerError(f"learning_rate must be a number >= 0, got {lr!r}")
+        self._hyper["learning_rate"] = float(lr)
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def update(self, key: int, grad: Tensor, weight: Tensor) -> None:
+        """Apply one update of ``key``: ``weight`` changes in place; ``grad`` is not modified."""
+        st = self.states.get(key)
+        if st is None:
+            st = self.states[key] = KeyState(0, self._rule.state(self._hyper, weight))
+        st.step += 1
+        self.num_update = max(self.num_update, st.step)
+        lr = scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update)
+        h = self._hyper
+        if grad.is_sparse:
+            grad = grad.coalesce()
+            vals = grad.values()
+            vals = self._prepare(vals)
+            grad = torch.sparse_coo_tensor(grad.indices(), vals, grad.shape, is_coalesced=True, check_invariants=False)
+            self._rule.sparse(h, lr, st, grad, weight)
+        else:
+            self._rule.dense(h, lr, st, self._prepare(grad), weight)
+
+    def _prepare(self, g: Tensor) -> Tensor:
+        if self._hyper["rescale_grad"] != 1.0:
+            g = g * self._hyper["rescale_grad"]
+        clip = self._hyper["clip_gradient"]
+        if clip > 0:
+            g = g.clamp(-clip, clip)
+        return g
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """States of every key: ``{"optimizer": description, "num_update", "keys": {key: {"step", "tensors"}}}``."""
+        return {
+            "optimizer": self.describe(),
+            "num_update": self.num_update,
+            "keys": {k: {"step": s.step, "tensors": dict(s.tensors)} for k, s in self.states.items()},
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], weights: Optional[Mapping[int, Tensor]] = None) -> None:
+        """Install states saved by :meth:`state_dict` (tensors are copied; devices follow ``weights``)."""
+        try:
+            keys = state["keys"]
+            self.num_update = int(state["num_update"])
+            new: dict[int, KeyState] = {}
+            for k, s in keys.items():
+                device = weights[int(k)].device if weights is not None and int(k) in weights else None
+                new[int(k)] = KeyState(int(s["step"]), {n: t.to(device, copy=True) for n, t in s["tensors"].items()})
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise OptimizerError(f"not a pskv optimizer state: {exc!r}") from exc
+        self.states = new
+
+
+def create(name: str, **hyper: Any) -> Optimizer:
+    """Build an optimizer description, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9)``.
+
+    ``lr_scheduler`` may be passed among the keyword arguments (see the module docstring).
+    Raises :class:`~pskv.errors.OptimizerError` for an unknown name or hyperparameter.
+    """
+    schedule = hyper.pop("lr_scheduler", None)
+    return Optimizer(name, hyper, schedule)
+
+
+def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor) -> None:
+    """What a store does with a key's merged push: assign it, or run the optimizer on it.
+
+    Without an optimizer the stored value is *replaced* by ``merged`` (a row-sparse ``merged``
+    replaces every row: absent rows become zero). With one, ``optimizer.update`` runs in place.
+    """
+    if optimizer is not None:
+        optimizer.update(key, merged, stored)
+    elif merged.is_sparse:
+        rows, vals = _rows(merged)
+        stored.zero_()
+        stored.index_copy_(0, rows.to(stored.device), vals.to(stored.device, stored.dtype))
+    else:
+        stored.copy_(merged)

@@ -1,0 +1,217 @@
+"""pskv.optim against torch.optim: same hyperparameters, same numbers after several steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import pskv
+from pskv.optim import Optimizer, apply_push, create, scheduled_lr
+
+STEPS = 6
+
+
+def _grads(shape: tuple[int, ...], steps: int = STEPS, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g) for _ in range(steps)]
+
+
+def _run_pskv(opt: Optimizer, w0: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    w = w0.clone()
+    for g in grads:
+        before = g.to_dense().clone()
+        opt.update(7, g, w)
+        assert torch.equal(g.to_dense(), before), "update must not modify the gradient"
+    return w
+
+
+def _run_torch(cls: type[torch.optim.Optimizer], w0: torch.Tensor, grads: list[torch.Tensor], **kw: object) -> torch.Tensor:
+    p = torch.nn.Parameter(w0.clone())
+    opt = cls([p], **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+DENSE_CASES = [
+    ("sgd", {"learning_rate": 0.1}, torch.optim.SGD, {"lr": 0.1}),
+    ("sgd", {"learning_rate": 0.1, "momentum": 0.9}, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    (
+        "sgd",
+        {"learning_rate": 0.05, "momentum": 0.9, "wd": 5e-4, "nesterov": True},
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4, "nesterov": True},
+    ),
+    (
+        "sgd",
+        {"learning_rate": 0.05, "momentum": 0.8, "dampening": 0.3, "wd": 1e-3},
+        torch.optim.SGD,
+        {"lr": 0.05, "momentum": 0.8, "dampening": 0.3, "weight_decay": 1e-3},
+    ),
+    ("adam", {"learning_rate": 1e-2}, torch.optim.Adam, {"lr": 1e-2}),
+    (
+        "adam",
+        {"learning_rate": 3e-3, "beta1": 0.8, "beta2": 0.99, "epsilon": 1e-6, "wd": 1e-2},
+        torch.optim.Adam,
+        {"lr": 3e-3, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 1e-2},
+    ),
+    ("adamw", {"learning_rate": 1e-2}, torch.optim.AdamW, {"lr": 1e-2}),
+    ("adamw", {"learning_rate": 1e-2, "wd": 0.1}, torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    ("adagrad", {"learning_rate": 0.1}, torch.optim.Adagrad, {"lr": 0.1}),
+    (
+        "adagrad",
+        {"learning_rate": 0.1, "lr_decay": 0.05, "wd": 1e-3, "initial_accumulator_value": 0.2, "epsilon": 1e-8},
+        torch.optim.Adagrad,
+        {"lr": 0.1, "lr_decay": 0.05, "weight_decay": 1e-3, "initial_accumulator_value": 0.2, "eps": 1e-8},
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "hyper", "torch_cls", "torch_kw"), DENSE_CASES)
+def test_dense_update_matches_torch(name: str, hyper: dict, torch_cls: type, torch_kw: dict) -> None:
+    w0 = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    grads = _grads((5, 4))
+    ours = _run_pskv(create(name, **hyper), w0, grads)
+    theirs = _run_torch(torch_cls, w0, grads, **torch_kw)
+    assert not torch.equal(ours, w0)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def _sparse_grads(rows: int, cols: int, steps: int = STEPS) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(0, rows, (4,), generator=g)  # repeats allowed: torch coalesces
+        vals = torch.randn(4, cols, generator=g)
+        out.append(torch.sparse_coo_tensor(idx.unsqueeze(0), vals, (rows, cols), check_invariants=True))
+    return out
+
+
+SPARSE_CASES = [
+    ("sgd", {"learning_rate": 0.1}, torch.optim.SGD, {"lr": 0.1}),
+    ("adagrad", {"learning_rate": 0.1}, torch.optim.Adagrad, {"lr": 0.1}),
+    ("adagrad", {"learning_rate": 0.1, "lr_decay": 0.1}, torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1}),
+    ("adam", {"learning_rate": 1e-2}, torch.optim.SparseAdam, {"lr": 1e-2}),
+    (
+        "adam",
+        {"learning_rate": 1e-2, "beta1": 0.7, "beta2": 0.9, "epsilon": 1e-6},
+        torch.optim.SparseAdam,
+        {"lr": 1e-2, "betas": (0.7, 0.9), "eps": 1e-6},
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "hyper", "torch_cls", "torch_kw"), SPARSE_CASES)
+def test_row_sparse_update_matches_torch(name: str, hyper: dict, torch_cls: type, torch_kw: dict) -> None:
+    w0 = torch.randn(10, 3, generator=torch.Generator().manual_seed(2))
+    grads = _sparse_grads(10, 3)
+    ours = _run_pskv(create(name, **hyper), w0, grads)
+    theirs = _run_torch(torch_cls, w0, grads, **torch_kw)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    touched = torch.unique(torch.cat([g.coalesce().indices()[0] for g in grads]))
+    untouched = [r for r in range(10) if r not in set(touched.tolist())]
+    assert untouched, "the test needs rows no gradient touches"
+    assert torch.equal(ours[untouched], w0[untouched])
+
+
+def test_sparse_sgd_momentum_is_lazy_dense_rule_on_present_rows() -> None:
+    opt = create("sgd", learning_rate=0.5, momentum=0.9)
+    w = torch.zeros(4, 2)
+    g1 = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1, 2), (4, 2), check_invariants=True)
+    g2 = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 2), (4, 2), check_invariants=True)
+    opt.update(0, g1, w)  # row 1: buf = 1, w = -0.5
+    opt.update(0, g2, w)  # row 1: buf = 0.9 + 1 = 1.9, w = -0.5 - 0.95; row 3: buf = 1, w = -0.5
+    assert torch.allclose(w[1], torch.full((2,), -1.45))
+    assert torch.allclose(w[3], torch.full((2,), -0.5))
+    assert torch.equal(w[0], torch.zeros(2)) and torch.equal(w[2], torch.zeros(2))
+
+
+def test_rescale_and_clip_apply_before_the_rule() -> None:
+    w0 = torch.randn(6, generator=torch.Generator().manual_seed(4))
+    grads = [g * 10 for g in _grads((6,))]
+    ours = _run_pskv(create("sgd", learning_rate=0.1, momentum=0.9, rescale_grad=0.25, clip_gradient=0.5), w0, grads)
+    theirs = _run_torch(torch.optim.SGD, w0, [(g * 0.25).clamp(-0.5, 0.5) for g in grads], lr=0.1, momentum=0.9)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_lr_schedules() -> None:
+    step = {"name": "step", "step": 3, "factor": 0.5}
+    assert [scheduled_lr(1.0, step, n) for n in range(1, 8)] == [1, 1, 1, 0.5, 0.5, 0.5, 0.25]
+    multi = {"name": "multifactor", "step": [2, 5], "factor": 0.1}
+    assert [round(scheduled_lr(1.0, multi, n), 12) for n in (1, 2, 3, 5, 6)] == [1, 1, 0.1, 0.1, 0.01]
+    cos = {"name": "cosine", "max_update": 10, "final_lr": 0.0, "warmup_steps": 0, "warmup_begin_lr": 0.0}
+    assert scheduled_lr(2.0, cos, 5) == pytest.approx(2.0 * (1 + math.cos(math.pi * 0.5)) / 2)
+    assert scheduled_lr(2.0, cos, 10) == 0.0
+    warm = {"name": "cosine", "max_update": 10, "final_lr": 0.1, "warmup_steps": 4, "warmup_begin_lr": 0.0}
+    assert scheduled_lr(1.0, warm, 2) == pytest.approx(0.5)
+
+
+def test_scheduler_drives_updates_and_learning_rate() -> None:
+    opt = create("sgd", learning_rate=1.0, lr_scheduler={"name": "step", "step": 2, "factor": 0.1})
+    w = torch.zeros(1)
+    lrs = []
+    for _ in range(4):
+        lrs.append(opt.learning_rate)
+        opt.update(0, torch.ones(1), w)
+    assert lrs == pytest.approx([1.0, 1.0, 0.1, 0.1])
+    assert w.item() == pytest.approx(-2.2)
+    opt.set_learning_rate(10.0)
+    assert opt.learning_rate == pytest.approx(0.1)  # update 5: 10 * 0.1**2
+
+
+def test_description_roundtrip_is_plain_data() -> None:
+    opt = create("adam", learning_rate=0.01, wd=1e-4, lr_scheduler={"name": "step", "step": 10, "factor": 0.5})
+    desc = opt.describe()
+    import json
+
+    again = Optimizer.from_description(json.loads(json.dumps(desc)))
+    assert again.describe() == desc
+    assert "adam" in repr(opt)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: create("rmsprop"), "unknown optimizer 'rmsprop'"),
+        (lambda: create("sgd", lr=0.1), "did you mean 'learning_rate'"),
+        (lambda: create("sgd", learning_rate="0.1"), "learning_rate must be a finite number"),
+        (lambda: create("sgd", learning_rate=float("nan")), "finite number"),
+        (lambda: create("sgd", nesterov=True), "nesterov needs momentum"),
+        (lambda: create("adam", beta1=1.0), r"beta1 must be in \[0, 1\)"),
+        (lambda: create("sgd", learning_rate=-1), "learning_rate must be >= 0"),
+        (lambda: create("sgd", lr_scheduler={"name": "exp"}), "unknown lr_scheduler"),
+        (lambda: create("sgd", lr_scheduler={"name": "step"}), "needs 'step'"),
+        (lambda: Optimizer.from_description({"name": "sgd", "code": "import os"}), "not an optimizer description"),
+        (lambda: Optimizer.from_description({"name": "sgd", "hyper": {"momentum": [1]}}), "finite number"),
+    ],
+)
+def test_bad_optimizers_are_clear_errors(call: object, match: str) -> None:
+    with pytest.raises(pskv.OptimizerError, match=match):
+        call()  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam", "adagrad"])
+def test_state_dict_resumes_exactly(name: str) -> None:
+    kw = {"learning_rate": 0.05, "momentum": 0.9} if name == "sgd" else {"learning_rate": 0.05}
+    w0 = torch.randn(8, generator=torch.Generator().manual_seed(5))
+    grads = _grads((8,), steps=6)
+    straight = _run_pskv(create(name, **kw), w0, grads)
+    first = create(name, **kw)
+    w = _run_pskv(first, w0, grads[:3])
+    state = first.state_dict()
+    second = create(name, **kw)
+    second.load_state_dict(state)
+    resumed = _run_pskv(second, w, grads[3:])
+    torch.testing.assert_close(resumed, straight, rtol=0, atol=0)
+
+
+def test_apply_push_assigns_without_optimizer() -> None:
+    stored = torch.ones(3, 2)
+    apply_push(None, 0, torch.full((3, 2), 4.0), stored)
+    assert torch.equal(stored, torch.full((3, 2), 4.0))
+    rs = torch.sparse_coo_tensor(torch.tensor([[2]]), torch.full((1, 2), 7.0), (3, 2), check_invariants=True)
+    apply_push(None, 0, rs, stored)
+    assert torch.equal(stored, torch.tensor([[0.0, 0.0], [0.0, 0.0], [7.0, 7.0]]))

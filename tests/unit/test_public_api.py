@@ -1,0 +1,55 @@
+"""The public surface is exactly what __all__ says, sorted, and importable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pskv
+
+EXPECTED = [
+    "ClusterError",
+    "CompressionError",
+    "DTypeMismatchError",
+    "DeadlineExceeded",
+    "DuplicateInitError",
+    "InvalidValueError",
+    "KVStoreError",
+    "KeyNotInitializedError",
+    "KeyTypeError",
+    "LaunchError",
+    "NodeFailedError",
+    "OptimizerError",
+    "OptimizerRequiredError",
+    "PSKVError",
+    "ProtocolError",
+    "ShapeMismatchError",
+    "SparseError",
+    "StoreClosedError",
+    "ValueCountError",
+    "__version__",
+    "compression",
+    "kv",
+    "optim",
+]
+
+
+def test_all_is_pinned_and_sorted() -> None:
+    assert pskv.__all__ == EXPECTED
+    assert pskv.__all__ == sorted(pskv.__all__)
+    for name in pskv.__all__:
+        assert getattr(pskv, name) is not None
+
+
+def test_every_error_is_a_pskv_error() -> None:
+    for name in pskv.__all__:
+        obj = getattr(pskv, name)
+        if isinstance(obj, type) and issubclass(obj, Exception):
+            assert issubclass(obj, pskv.PSKVError)
+
+
+def test_importing_pskv_does_not_load_torch() -> None:
+    """The scheduler imports pskv and moves only control messages: it must start fast."""
+    code = "import sys, pskv, pskv.errors, pskv.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
