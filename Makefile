@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check pskv tests benchmarks
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
 test: lint

@@ -38,6 +38,7 @@ class Codec:
 
     type: str = "none"
     threshold: float = 0.0
+    wire_dtype: torch.dtype = torch.int32  # dtype of the tensor encode() returns
 
     @staticmethod
     def create(params: Mapping[str, Any]) -> Codec:

@@ -34,11 +34,21 @@ def _device(name: str) -> KVStore:
     return DeviceStore(name)
 
 
+def _dist(name: str) -> KVStore:
+    from .dist import create_dist
+
+    return create_dist(name)
+
+
 _FACTORIES: dict[str, Callable[[str], KVStore]] = {
     "local": _local,
     "device": _device,
+    "dist_sync": _dist,
+    "dist_device_sync": _dist,
+    "dist_async": _dist,
 }
 _ALIASES = {
+    "dist": "dist_sync",
     "local_update_cpu": "local",
     "local_allreduce_cpu": "local",
     "local_allreduce_device": "device",

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor
 
 from .. import errors
+from ..ops import reduce_values, write_rows
 from ..optim import Optimizer, apply_push
-from .base import KeyMeta, KVStore, reduce_values, write_rows
+from .base import KeyMeta, KVStore
 
 
 class LocalStore(KVStore):

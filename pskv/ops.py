@@ -1,0 +1,50 @@
+"""Tensor helpers shared by the stores and the servers: sums of device values, row writes.
+
+This module imports nothing else from pskv.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def is_row_sparse(t: Tensor) -> bool:
+    """A sparse COO tensor whose indices select whole rows (``sparse_dim() == 1``)."""
+    return t.layout == torch.sparse_coo and t.sparse_dim() == 1
+
+
+def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
+    """The sum of ``values`` made on ``device``; never aliases an input.
+
+    Dense values give a dense sum; all row-sparse values give a coalesced row-sparse sum; a mix
+    gives a dense sum.
+    """
+    dense = [v for v in values if not v.is_sparse]
+    sparse = [v for v in values if v.is_sparse]
+    if not dense:
+        if len(sparse) == 1:
+            return sparse[0].to(device, copy=True).coalesce()
+        idx = torch.cat([s.coalesce().indices().to(device) for s in sparse], dim=1)
+        val = torch.cat([s.coalesce().values().to(device) for s in sparse], dim=0)
+        return torch.sparse_coo_tensor(idx, val, sparse[0].shape, check_invariants=False).coalesce()
+    out = dense[0].detach().to(device, copy=True)
+    for v in dense[1:]:
+        out.add_(v.detach().to(device))
+    for s in sparse:
+        out.add_(s.detach().to(device))
+    return out
+
+
+def write_rows(out: Tensor, rows: Tensor, data: Tensor) -> None:
+    """Make ``out`` hold exactly ``rows`` (sorted, unique) with ``data``; other rows absent/zero."""
+    if out.is_sparse:
+        src = torch.sparse_coo_tensor(
+            rows.unsqueeze(0).to(out.device), data.to(out.device, out.dtype), out.shape, check_invariants=False
+        )
+        out.copy_(src.coalesce())
+    else:
+        out.zero_()
+        out.index_copy_(0, rows.to(out.device), data.to(out.device, out.dtype))

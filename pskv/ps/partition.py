@@ -1,0 +1,83 @@
+"""Which server holds which elements of a key: pure functions of (key, size, servers).
+
+- An array with fewer than ``bound`` elements lives whole on one server, picked by Fibonacci
+  hashing of the key: consecutive keys (what a Trainer uses) spread evenly, and strided keys
+  spread too.
+- A larger array is cut into ``num_servers`` contiguous slices of (nearly) equal size, slice
+  ``i`` on server ``i``; a row-sparse array is cut at row boundaries.
+- Each slice may be cut further into *parts* of at most ``chunk`` elements, so a big array
+  streams through the servers piece by piece (a part is the unit of a message and of a
+  synchronous round).
+
+>>> place(key=3, numel=10, num_servers=2, bound=1_000_000)
+[Part(index=0, server=0, start=0, stop=10)]
+>>> [p.server for p in place(key=0, numel=4_000_000, num_servers=2, bound=1_000_000)]
+[0, 1]
+
+This module imports nothing else from pskv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Part:
+    """Elements ``[start, stop)`` of the flattened array, held by ``server``."""
+
+    index: int
+    server: int
+    start: int
+    stop: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def server_of(key: int, num_servers: int) -> int:
+    """The server of a small array: Fibonacci hashing of ``key`` into ``num_servers`` buckets."""
+    h = ((key + 1) * _GOLDEN) & _MASK
+    return (h * num_servers) >> 64
+
+
+def place(
+    key: int,
+    numel: int,
+    num_servers: int,
+    bound: int,
+    row_numel: int = 1,
+    chunk: Optional[int] = None,
+) -> list[Part]:
+    """The parts of ``key`` (``numel`` elements; rows of ``row_numel`` elements stay whole).
+
+    ``chunk`` (elements) cuts each server's slice further; ``None`` keeps one part per server.
+    """
+    if num_servers < 1:
+        raise ValueError(f"num_servers must be >= 1, got {num_servers}")
+    if numel < bound or num_servers == 1:
+        slices = [(server_of(key, num_servers), 0, numel)]
+    else:
+        row_numel = max(1, row_numel)
+        rows = numel // row_numel
+        slices = []
+        for s in range(num_servers):
+            lo, hi = rows * s // num_servers, rows * (s + 1) // num_servers
+            if hi > lo:
+                slices.append((s, lo * row_numel, hi * row_numel))
+    parts: list[Part] = []
+    for server, start, stop in slices:
+        step = stop - start if not chunk else max(row_numel, chunk // row_numel * row_numel)
+        pos = start
+        while True:
+            end = min(stop, pos + step) if step else stop
+            parts.append(Part(len(parts), server, pos, end))
+            pos = end
+            if pos >= stop:
+                break
+    return parts

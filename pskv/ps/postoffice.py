@@ -1,0 +1,273 @@
+"""Who is who: the job's environment, this node's address, joining the job, heartbeats.
+
+Every process of a job reads the same variables that existing parameter-server tooling sets:
+
+====================== ==============================================================
+``DMLC_ROLE``          ``scheduler``, ``server`` or ``worker``
+``DMLC_PS_ROOT_URI``   the scheduler's address (host or IP)
+``DMLC_PS_ROOT_PORT``  the scheduler's port
+``DMLC_NUM_WORKER``    how many workers the job has
+``DMLC_NUM_SERVER``    how many servers the job has
+``DMLC_WORKER_ID``     optional: this worker's rank (``pskv launch`` sets it)
+``DMLC_SERVER_ID``     optional: this server's rank (``pskv launch`` sets it)
+``DMLC_NODE_HOST``     optional: the address other nodes use to reach this one
+``DMLC_INTERFACE``     optional: take this node's address from that network interface
+====================== ==============================================================
+
+Ranks are deterministic: the ids given, else the order of registration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from .. import config
+from ..errors import ClusterError, DeadlineExceeded, NodeFailedError, error_class
+from .message import Message, Type
+from .van import PeerUnreachable, Received, Van, ZmqVan
+
+ROLES = ("scheduler", "server", "worker")
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def _int(environ: Mapping[str, str], name: str, low: int, required: bool = True) -> Optional[int]:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        if required:
+            raise ClusterError(
+                f"{name} is not set: a dist store needs the job's environment "
+                "(start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`)"
+            )
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ClusterError(f"{name}={raw!r} is not an integer") from None
+    if value < low:
+        raise ClusterError(f"{name}={value} must be >= {low}")
+    return value
+
+
+@dataclass(frozen=True)
+class JobEnv:
+    """The ``DMLC_*`` contract of one process, parsed and checked."""
+
+    role: str
+    root_uri: str
+    root_port: int
+    num_workers: int
+    num_servers: int
+    worker_id: Optional[int] = None
+    server_id: Optional[int] = None
+    node_host: Optional[str] = None
+    interface: Optional[str] = None
+
+    @classmethod
+    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> JobEnv:
+        """Read and check the variables; a :class:`ClusterError` names the first bad one."""
+        env = os.environ if environ is None else environ
+        role = env.get("DMLC_ROLE", "").strip().lower()
+        if role not in ROLES:
+            shown = f"={role!r}" if role else " is not set"
+            raise ClusterError(
+                f"DMLC_ROLE{shown}; it must be one of {', '.join(ROLES)} "
+                "(start the job with `pskv launch -n WORKERS -s SERVERS -- COMMAND`)"
+            )
+        uri = env.get("DMLC_PS_ROOT_URI", "").strip()
+        if not uri:
+            raise ClusterError("DMLC_PS_ROOT_URI (the scheduler's address) is not set")
+        port = 0 if uri.startswith("inproc://") else _int(env, "DMLC_PS_ROOT_PORT", 0)
+        workers = _int(env, "DMLC_NUM_WORKER", 1)
+        servers = _int(env, "DMLC_NUM_SERVER", 0)
+        wid = _int(env, "DMLC_WORKER_ID", 0, required=False)
+        sid = _int(env, "DMLC_SERVER_ID", 0, required=False)
+        assert port is not None and workers is not None and servers is not None
+        if role == "worker" and wid is not None and wid >= workers:
+            raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
+        if role == "server" and sid is not None and sid >= servers:
+            raise ClusterError(f"DMLC_SERVER_ID={sid} but the job has DMLC_NUM_SERVER={servers} servers")
+        return cls(
+            role,
+            uri,
+            port,
+            workers,
+            servers,
+            wid if role == "worker" else None,
+            sid if role == "server" else None,
+            env.get("DMLC_NODE_HOST", "").strip() or None,
+            env.get("DMLC_INTERFACE", "").strip() or None,
+        )
+
+    @property
+    def inproc(self) -> bool:
+        return self.root_uri.startswith("inproc://")
+
+    @property
+    def scheduler_endpoint(self) -> str:
+        if self.inproc:
+            return self.root_uri
+        host = f"[{self.root_uri}]" if ":" in self.root_uri else self.root_uri
+        return f"tcp://{host}:{self.root_port}"
+
+    def listen_endpoint(self) -> str:
+        """Where this node accepts connections (port chosen by the system)."""
+        if self.inproc:
+            return f"{self.root_uri}/{self.role}/{uuid.uuid4().hex[:8]}"
+        return f"tcp://{bind_address(self.advertised_host())}:0"
+
+    def advertised_host(self) -> str:
+        """The address other nodes use to reach this node."""
+        if self.node_host:
+            return self.node_host
+        if self.interface:
+            return interface_address(self.interface)
+        if self.root_uri.startswith(_LOOPBACK):
+            return "127.0.0.1"
+        return route_address(self.root_uri)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (Linux)."""
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+        except OSError as exc:
+            raise ClusterError(f"DMLC_INTERFACE={name!r}: no IPv4 address on that interface ({exc})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_address(remote: str) -> str:
+    """This host's address on the route to ``remote`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((remote, 9))
+            addr: str = s.getsockname()[0]
+            return addr
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def bind_address(host: str) -> str:
+    """An address to bind for ``host``: its IP if this machine has it, else all interfaces."""
+    try:
+        ip = socket.gethostbyname(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((ip, 0))
+        return ip
+    except OSError:
+        return "0.0.0.0"
+
+
+def describe_node(info: Mapping[str, Any]) -> str:
+    """``"server 1 (host 10.0.0.2, pid 4242)"`` from a node-table entry."""
+    where = f"host {info.get('hostname') or info.get('host')}, pid {info.get('pid')}"
+    return f"{info.get('role')} {info.get('rank')} ({where})"
+
+
+def raise_error_reply(msg: Message, context: str = "") -> None:
+    """Raise the exception an ERROR message carries (its class looked up by name)."""
+    meta = msg.meta or {}
+    text = str(meta.get("message", "unknown error"))
+    raise error_class(str(meta.get("kind", "")))(f"{context}{text}")
+
+
+class Node:
+    """This process's seat in a job: its van, rank, the node table, heartbeats.
+
+    Owned by one thread (the server's loop or the worker client's I/O thread).
+    """
+
+    def __init__(self, env: JobEnv, van: Optional[Van] = None):
+        self.env = env
+        self.role = env.role
+        self.van = van or ZmqVan()
+        self.rank = -1
+        self.servers: list[dict[str, Any]] = []
+        self.workers: list[dict[str, Any]] = []
+        self.hb_interval = config.heartbeat_interval()
+        self.hb_timeout = config.heartbeat_timeout()
+        self._next_hb = 0.0
+        self._last_heard = time.monotonic()
+        self.early: list[Received] = []  # data messages that arrived while joining
+
+    def join(self, endpoint: Optional[str]) -> None:
+        """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``)."""
+        env = self.env
+        self.van.connect("scheduler", env.scheduler_endpoint, identity=self.role)
+        meta: dict[str, Any] = {
+            "role": self.role,
+            "endpoint": endpoint,
+            "host": "inproc" if env.inproc else env.advertised_host(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        if env.worker_id is not None:
+            meta["id"] = env.worker_id
+        if env.server_id is not None:
+            meta["id"] = env.server_id
+        self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
+        wait = config.start_timeout()
+        deadline = time.monotonic() + wait
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(
+                    f"{self.role} could not join the job: no node table from the scheduler at "
+                    f"{env.scheduler_endpoint} within {wait:g} s (PSKV_START_TIMEOUT); is the scheduler "
+                    "running, and did every server and worker start?"
+                )
+            for peer, msg in self.van.recv(min(left, 0.5)):
+                if isinstance(msg, Exception):
+                    continue
+                if peer != "scheduler":
+                    self.early.append((peer, msg))
+                elif msg.type == Type.ERROR:
+                    raise_error_reply(msg, f"the scheduler refused this {self.role}: ")
+                elif msg.type == Type.NODES:
+                    assert msg.meta is not None
+                    self.rank = msg.a
+                    self.servers = list(msg.meta["servers"])
+                    self.workers = list(msg.meta["workers"])
+                    self._last_heard = time.monotonic()
+                    return
+
+    @property
+    def name(self) -> str:
+        return f"{self.role} {self.rank}"
+
+    def say(self, text: str) -> None:
+        """Log to stderr when ``PSKV_VERBOSE`` is set."""
+        if config.verbose():
+            print(f"pskv {self.name}: {text}", file=sys.stderr, flush=True)
+
+    def tick(self, now: float) -> None:
+        """Send a heartbeat when due; :class:`NodeFailedError` if the scheduler went silent."""
+        if now >= self._next_hb:
+            self._next_hb = now + self.hb_interval
+            with contextlib.suppress(PeerUnreachable):  # silence is judged below
+                self.van.send("scheduler", Message(Type.HEARTBEAT))
+        silent = now - self._last_heard
+        if silent > self.hb_timeout:
+            raise NodeFailedError(
+                f"the scheduler at {self.env.scheduler_endpoint} has not answered for {silent:.1f} s "
+                f"(PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}); it is presumed dead"
+            )
+
+    def heard_from_scheduler(self) -> None:
+        self._last_heard = time.monotonic()
+
+    def failure_text(self, msg: Message) -> str:
+        """The text of a NODE_FAILED message."""
+        meta = msg.meta or {}
+        return f"{describe_node(meta)} failed: {meta.get('reason', 'unknown reason')}"

@@ -1,0 +1,272 @@
+"""The scheduler: registration and ranks, barriers, heartbeats, failure notices, shutdown.
+
+It moves control messages only and never imports torch. Its life:
+
+1. Nodes register. When ``DMLC_NUM_SERVER`` servers and ``DMLC_NUM_WORKER`` workers have,
+   ranks are assigned (the ids nodes asked for, else registration order) and every node gets
+   the node table. A node that does not come within ``PSKV_START_TIMEOUT`` makes the start fail
+   with an error naming what is missing; a surplus node is refused.
+2. Barriers over the workers, the servers or everyone; a barrier that cannot complete (a member
+   has finished) or passes ``PSKV_TIMEOUT`` is answered with an error naming the missing ranks.
+3. Heartbeats: a node silent for ``PSKV_HEARTBEAT_TIMEOUT`` is declared dead; every other node
+   is told (NODE_FAILED) and the scheduler exits with status 1.
+4. A worker that closes its store sends FINALIZE; servers are told (WORKER_LEFT) so rounds that
+   still need it fail at once. When every worker has finished, servers get SHUTDOWN and the
+   scheduler exits with status 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .. import config
+from ..errors import ClusterError, DeadlineExceeded, NodeFailedError
+from .message import Message, Type, error_reply
+from .postoffice import JobEnv, describe_node
+from .van import Van, ZmqVan
+
+
+@dataclass
+class _Node:
+    peer: str
+    role: str
+    meta: dict[str, Any]
+    rank: int = -1
+    last_seen: float = field(default_factory=time.monotonic)
+    finished: bool = False
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "role": self.role,
+            "rank": self.rank,
+            "endpoint": self.meta.get("endpoint"),
+            "host": self.meta.get("host"),
+            "hostname": self.meta.get("hostname"),
+            "pid": self.meta.get("pid"),
+        }
+
+    def __str__(self) -> str:
+        return describe_node(self.info())
+
+
+@dataclass
+class _Barrier:
+    started: float
+    waiting: dict[str, Message] = field(default_factory=dict)  # peer -> its BARRIER request
+
+
+class Scheduler:
+    """Runs the scheduler of one job; :meth:`run` returns the process exit status."""
+
+    def __init__(self, env: JobEnv, van: Optional[Van] = None, endpoint: Optional[str] = None):
+        self.env = env
+        self.van = van or ZmqVan()
+        self.endpoint = endpoint or env.scheduler_endpoint
+        self.nodes: dict[str, _Node] = {}
+        self.started = False
+        self.barriers: dict[str, _Barrier] = {}
+        self.status: Optional[int] = None
+        self.timeout = config.timeout()
+        self.hb_timeout = config.heartbeat_timeout()
+        self.log = config.verbose()
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _say(self, text: str) -> None:
+        if self.log:
+            print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
+
+    def _members(self, role: str) -> list[_Node]:
+        return sorted((n for n in self.nodes.values() if n.role == role), key=lambda n: n.rank)
+
+    def _send(self, node: _Node, msg: Message) -> None:
+        try:
+            self.van.send(node.peer, msg)
+        except Exception as exc:  # a peer that vanished must not take the scheduler down
+            self._say(f"could not send {msg.type.name} to {node}: {exc}")
+
+    def _broadcast(self, msg: Message, roles: tuple[str, ...] = ("server", "worker")) -> None:
+        for node in self.nodes.values():
+            if node.role in roles and not node.finished:
+                self._send(node, msg)
+
+    # -- main loop --------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        bound = self.van.listen(self.endpoint)
+        self._report_port(bound)
+        self._say(f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
+        start_deadline = time.monotonic() + config.start_timeout()
+        try:
+            while self.status is None:
+                for peer, msg in self.van.recv(0.25):
+                    if isinstance(msg, Exception):
+                        self.van.send(peer, Message(Type.ERROR, meta={"kind": "ProtocolError", "message": str(msg)}))
+                        continue
+                    try:
+                        self._handle(peer, msg)
+                    except ClusterError as exc:
+                        self.van.send(peer, error_reply(msg, exc))
+                now = time.monotonic()
+                if not self.started and now > start_deadline:
+                    self._fail_start()
+                if self.started:
+                    self._check_heartbeats(now)
+                    self._check_barriers(now)
+        finally:
+            self.van.close(linger=2.0)
+        self._say(f"exiting with status {self.status}")
+        return self.status
+
+    def _report_port(self, bound: str) -> None:
+        """Tell ``pskv launch`` the port we got (it passes a pipe in ``PSKV_PORT_FD``)."""
+        fd = os.environ.get("PSKV_PORT_FD")
+        if fd and not self.env.inproc:
+            with os.fdopen(int(fd), "w") as pipe:
+                pipe.write(bound.rsplit(":", 1)[1] + "\n")
+
+    def _handle(self, peer: str, msg: Message) -> None:
+        node = self.nodes.get(peer)
+        if node is not None:
+            node.last_seen = time.monotonic()
+        if msg.type == Type.REGISTER:
+            self._register(peer, msg)
+            return
+        if node is None:
+            raise ClusterError(f"{msg.type.name} from a node that has not registered")
+        if msg.type == Type.HEARTBEAT:
+            self._send(node, Message(Type.HEARTBEAT_ACK))
+        elif msg.type == Type.BARRIER:
+            self._barrier(node, msg)
+        elif msg.type == Type.FINALIZE:
+            self._finalize(node, msg)
+        else:
+            raise ClusterError(f"the scheduler does not handle {msg.type.name}")
+
+    # -- registration -----------------------------------------------------------------------------
+
+    def _register(self, peer: str, msg: Message) -> None:
+        meta = msg.meta or {}
+        role = meta.get("role")
+        if role not in ("server", "worker"):
+            raise ClusterError(f"cannot register role {role!r}")
+        want = self.env.num_servers if role == "server" else self.env.num_workers
+        if self.started or len(self._members(role)) >= want:
+            raise ClusterError(
+                f"the job already has its {want} {role}s; refusing {role} from host {meta.get('host')} pid {meta.get('pid')}"
+            )
+        wanted = meta.get("id")
+        if wanted is not None:
+            if not isinstance(wanted, int) or not 0 <= wanted < want:
+                raise ClusterError(f"{role} id {wanted!r} is out of range 0..{want - 1}")
+            if any(n.meta.get("id") == wanted for n in self._members(role)):
+                raise ClusterError(f"two {role}s asked for id {wanted}")
+        self.nodes[peer] = _Node(peer, role, meta)
+        self._say(f"{role} registered from {meta.get('hostname')} pid {meta.get('pid')}")
+        if len(self._members("server")) == self.env.num_servers and len(self._members("worker")) == self.env.num_workers:
+            self._start()
+
+    def _start(self) -> None:
+        for role in ("server", "worker"):
+            nodes = [n for n in self.nodes.values() if n.role == role]  # registration order
+            taken = {n.meta["id"] for n in nodes if n.meta.get("id") is not None}
+            free = iter(r for r in range(len(nodes)) if r not in taken)
+            for n in nodes:
+                n.rank = n.meta["id"] if n.meta.get("id") is not None else next(free)
+        table = {
+            "servers": [n.info() for n in self._members("server")],
+            "workers": [n.info() for n in self._members("worker")],
+        }
+        for n in self.nodes.values():
+            n.last_seen = time.monotonic()
+            self._send(n, Message(Type.NODES, a=n.rank, meta=table))
+        self.started = True
+        self._say("all nodes registered; job started")
+
+    def _fail_start(self) -> None:
+        have_s, have_w = len(self._members("server")), len(self._members("worker"))
+        text = (
+            f"the job did not start within {config.start_timeout():g} s (PSKV_START_TIMEOUT): "
+            f"{have_s} of {self.env.num_servers} servers and {have_w} of {self.env.num_workers} workers registered "
+            f"with the scheduler at {self.endpoint}"
+        )
+        for n in self.nodes.values():
+            self._send(n, Message(Type.ERROR, meta={"kind": "DeadlineExceeded", "message": text}))
+        print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
+        self.status = 1
+
+    # -- barriers -----------------------------------------------------------------------------------
+
+    def _group(self, group: str) -> list[_Node]:
+        if group == "all":
+            return self._members("server") + self._members("worker")
+        if group in ("server", "worker"):
+            return self._members(group)
+        raise ClusterError(f"unknown barrier group {group!r}")
+
+    def _barrier(self, node: _Node, msg: Message) -> None:
+        group = str((msg.meta or {}).get("group", "worker"))
+        members = self._group(group)
+        gone = [n for n in members if n.finished]
+        if gone:
+            raise NodeFailedError(
+                f"barrier of group {group!r} can never complete: {', '.join(map(str, gone))} already finished"
+            )
+        bar = self.barriers.setdefault(group, _Barrier(time.monotonic()))
+        bar.waiting[node.peer] = msg
+        if all(n.peer in bar.waiting for n in members):
+            del self.barriers[group]
+            for n in members:
+                self._send(n, bar.waiting[n.peer].reply(Type.OK))
+
+    def _fail_barrier(self, group: str, exc: Exception) -> None:
+        bar = self.barriers.pop(group)
+        for peer, req in bar.waiting.items():
+            self._send(self.nodes[peer], error_reply(req, exc))
+
+    def _check_barriers(self, now: float) -> None:
+        for group, bar in list(self.barriers.items()):
+            if now - bar.started > self.timeout:
+                members = self._group(group)
+                missing = [n.rank for n in members if n.peer not in bar.waiting]
+                here = sorted(self.nodes[p].rank for p in bar.waiting)
+                self._fail_barrier(
+                    group,
+                    DeadlineExceeded(
+                        f"barrier of the {group}s passed PSKV_TIMEOUT={self.timeout:g} s: "
+                        f"waiting for {group} ranks {missing} (arrived: {here})"
+                    ),
+                )
+
+    # -- ending -----------------------------------------------------------------------------------
+
+    def _finalize(self, node: _Node, msg: Message) -> None:
+        if node.role != "worker":
+            raise ClusterError("only workers finalize")
+        node.finished = True
+        self._send(node, msg.reply(Type.OK))
+        self._say(f"{node} finished")
+        self._broadcast(Message(Type.WORKER_LEFT, a=node.rank), roles=("server",))
+        for group in list(self.barriers):
+            if node in self._group(group):
+                self._fail_barrier(group, NodeFailedError(f"{node} finished while a barrier of the {group}s waited for it"))
+        if all(n.finished for n in self._members("worker")):
+            self._broadcast(Message(Type.SHUTDOWN), roles=("server",))
+            self.status = 0
+
+    def _check_heartbeats(self, now: float) -> None:
+        for node in self.nodes.values():
+            if node.finished:
+                continue
+            silent = now - node.last_seen
+            if silent > self.hb_timeout:
+                reason = f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g})"
+                print(f"pskv scheduler: {node} failed: {reason}", file=sys.stderr, flush=True)
+                node.finished = True
+                self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}))
+                self.status = 1
+                return

@@ -1,0 +1,185 @@
+"""The transport seam: a :class:`Van` moves messages between this node and its peers.
+
+A node *listens* on one endpoint (servers and the scheduler; clients reach it there) and
+*connects* to the endpoints of the peers it talks to. Peers are named by strings: the name given
+to :meth:`Van.connect` for outgoing connections, and ``"client:<hex>"`` for a client that
+reached our listening endpoint (replies go back to that name).
+
+:class:`ZmqVan` is the implementation: a zmq ROUTER for the listening endpoint, a DEALER per
+outgoing connection, payload frames sent without copying. With ``inproc://`` endpoints (one
+shared zmq context) a whole cluster runs inside one process, which the unit tests use.
+
+A van belongs to one thread; only :meth:`Van.wake` may be called from others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from abc import ABC, abstractmethod
+from typing import Optional, Union
+
+import zmq
+
+from ..errors import ClusterError, ProtocolError
+from .message import Message, decode, encode
+
+Received = tuple[str, Union[Message, ProtocolError]]
+
+
+class PeerUnreachable(ClusterError):
+    """A message could not even be queued for a peer (it has no live connection)."""
+
+
+class Van(ABC):
+    """Moves :class:`~pskv.ps.message.Message`\\s; owned by one thread."""
+
+    @abstractmethod
+    def listen(self, endpoint: str) -> str:
+        """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint."""
+
+    @abstractmethod
+    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None) -> None:
+        """Open a connection named ``peer`` to ``endpoint``; ``identity`` is how the peer sees us."""
+
+    @abstractmethod
+    def send(self, peer: str, msg: Message) -> None:
+        """Queue ``msg`` for ``peer`` and return; payload buffers must stay unchanged until sent.
+
+        Never blocks: a peer that cannot take the message raises :class:`PeerUnreachable`.
+        """
+
+    @abstractmethod
+    def recv(self, timeout: float) -> list[Received]:
+        """Messages that arrived, waiting up to ``timeout`` seconds for the first (or a wake-up).
+
+        A message that does not decode is returned as a :class:`ProtocolError` so the owner can
+        answer its sender.
+        """
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Make a blocked :meth:`recv` return now; safe from any thread."""
+
+    @abstractmethod
+    def peer_identity(self, peer: str) -> str:
+        """The identity a client gave in :meth:`connect` (``"worker:3"``), for a client peer."""
+
+    @abstractmethod
+    def close(self, linger: float = 1.0) -> None:
+        """Close every connection, trying for ``linger`` seconds to deliver what is queued."""
+
+
+class ZmqVan(Van):
+    """:class:`Van` on pyzmq. Payload frames are sent with ``copy=False``."""
+
+    MAX_BATCH = 256  # messages taken from one socket per recv, so no peer starves the others
+
+    def __init__(self, context: Optional[zmq.Context[zmq.Socket[bytes]]] = None):
+        self._ctx = context or zmq.Context.instance()
+        self._router: Optional[zmq.Socket[bytes]] = None
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
+        self._names: dict[zmq.Socket[bytes], str] = {}
+        self._poller = zmq.Poller()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._closed = False
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def listen(self, endpoint: str) -> str:
+        if self._router is not None:
+            raise RuntimeError("this van already listens")
+        sock = self._socket(zmq.ROUTER)
+        if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+            endpoint = endpoint[:-2] + ":*"
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
+        self._router = sock
+        self._poller.register(sock, zmq.POLLIN)
+        bound = sock.getsockopt(zmq.LAST_ENDPOINT)
+        return bound.decode() if isinstance(bound, bytes) else str(bound)
+
+    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None) -> None:
+        if peer in self._dealers:
+            raise RuntimeError(f"already connected to {peer}")
+        sock = self._socket(zmq.DEALER)
+        ident = f"{identity or 'node'}/{uuid.uuid4().hex[:12]}"
+        sock.setsockopt(zmq.IDENTITY, ident.encode())
+        sock.connect(endpoint)
+        self._dealers[peer] = sock
+        self._names[sock] = peer
+        self._poller.register(sock, zmq.POLLIN)
+
+    def send(self, peer: str, msg: Message) -> None:
+        frames = encode(msg)
+        try:
+            if peer.startswith("client:"):
+                if self._router is None:
+                    raise RuntimeError("no listening socket to reply on")
+                self._router.send_multipart([bytes.fromhex(peer[7:]), *frames], zmq.NOBLOCK, copy=False)
+            else:
+                self._dealers[peer].send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise PeerUnreachable(f"{peer} has no live connection; {msg.type.name} was not sent") from None
+
+    def recv(self, timeout: float) -> list[Received]:
+        out: list[Received] = []
+        for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
+            if isinstance(sock, int):
+                try:
+                    while os.read(sock, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+                continue
+            for _ in range(self.MAX_BATCH):
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                if sock is self._router:
+                    peer = "client:" + bytes(frames[0].buffer).hex()
+                    frames = frames[1:]
+                else:
+                    peer = self._names[sock]
+                try:
+                    out.append((peer, decode(frames)))
+                except ProtocolError as exc:
+                    out.append((peer, exc))
+        return out
+
+    def wake(self) -> None:
+        fd = self._wake_w
+        if fd < 0:
+            return
+        with contextlib.suppress(OSError):  # a wake-up is already pending, or the van is closed
+            os.write(fd, b"!")
+
+    def peer_identity(self, peer: str) -> str:
+        return bytes.fromhex(peer[7:]).decode(errors="replace").split("/")[0] if peer.startswith("client:") else peer
+
+    def close(self, linger: float = 1.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in [*self._dealers.values(), *([self._router] if self._router is not None else [])]:
+            sock.setsockopt(zmq.LINGER, int(linger * 1000))
+            sock.close()
+        self._dealers.clear()
+        fds = (self._wake_r, self._wake_w)
+        self._wake_r = self._wake_w = -1
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -1,0 +1,245 @@
+"""The parameter-server contract with real processes on 127.0.0.1, started by ``pskv launch``.
+
+Each worker script checks the numbers itself (SPEC.md section 3's formulas) and exits non-zero
+on a mismatch; the test checks the launcher's status and shows every process's output if not 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .jobs import launch
+
+pytestmark = pytest.mark.timeout(240)
+
+FORMULAS = """
+import sys, torch, pskv
+kv = pskv.kv.create("dist_sync")
+W, r = kv.num_workers, kv.rank
+assert W == int(sys.argv[1]) and kv.num_servers == int(sys.argv[2]), (W, kv.num_servers)
+tri = W * (W + 1) / 2
+shapes = {"small": (5, 3), "even": (1200, 1200), "odd": (1211, 1211)}
+# no optimizer: the merged sum replaces the value
+for name, shape in shapes.items():
+    kv.init(name, torch.ones(shape))
+    grad = torch.full(shape, r + 1.0)
+    out = torch.empty(shape)
+    for i in range(2):
+        kv.push(name, grad)
+        kv.pull(name, out)
+        assert torch.all(out == tri), (name, i, out.flatten()[:4])
+        assert torch.all(grad == r + 1.0), "the pushed tensor was modified (MXNet's doubling bug)"
+# server-side sgd: after round i every worker pulls 1 - lr*rescale*W(W+1)/2*(i+1)
+kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, rescale_grad=0.5))
+for name, shape in shapes.items():
+    key = "opt-" + name
+    kv.init(key, torch.ones(shape))
+    grad = torch.full(shape, r + 1.0)
+    out = torch.empty(shape)
+    for i in range(3):
+        kv.pushpull(key, grad, out=out)
+        want = 1 - 0.1 * 0.5 * tri * (i + 1)
+        assert torch.allclose(out, torch.full(shape, want)), (key, i, out.flatten()[:4], want)
+# device lists are summed before they leave the worker
+kv.init("dev", torch.zeros(4, 4))
+kv.push("dev", [torch.ones(4, 4)] * 3)
+out = [torch.empty(4, 4), torch.empty(4, 4)]
+kv.pull("dev", out)
+assert all(torch.allclose(o, torch.full((4, 4), -0.05 * 3 * W)) for o in out)
+print(f"rank {r}: formulas ok", flush=True)
+kv.close()
+"""
+
+
+@pytest.mark.parametrize(("workers", "servers"), [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)])
+def test_sync_formulas(tmp_path: Path, workers: int, servers: int) -> None:
+    res = launch(tmp_path, FORMULAS, workers, servers, args=[str(workers), str(servers)])
+    assert res.code == 0, res
+    for w in range(workers):
+        assert f"[worker {w}] rank {w}: formulas ok" in res.stdout, res
+
+
+def test_dist_device_sync_and_int_keys(tmp_path: Path) -> None:
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_device_sync")
+    kv.init([3, 9], [torch.zeros(2), torch.zeros(1100, 1000)])
+    kv.push([3, 9], [[torch.ones(2)] * 2, [torch.ones(1100, 1000)] * 4])
+    a, b = torch.empty(2), torch.empty(1100, 1000)
+    kv.pull([3, 9], [a, b])
+    assert torch.all(a == 2 * kv.num_workers) and torch.all(b == 4 * kv.num_workers), (a, b[0, 0])
+    print("device sync ok")
+    """
+    res = launch(tmp_path, script, 2, 2)
+    assert res.code == 0 and res.stdout.count("device sync ok") == 2, res
+
+
+def test_dist_async(tmp_path: Path) -> None:
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_async")
+    kv.init("w", torch.zeros(1300, 1000))
+    try:
+        kv.push("w", torch.ones(1300, 1000))
+        raise SystemExit("push without an optimizer was accepted")
+    except pskv.OptimizerRequiredError as exc:
+        print("refused:", exc)
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.01))
+    for _ in range(5):
+        kv.push("w", torch.full((1300, 1000), kv.rank + 1.0))
+    kv.barrier()
+    out = torch.empty(1300, 1000)
+    kv.pull("w", out)
+    want = -0.01 * 5 * sum(range(1, kv.num_workers + 1))
+    assert torch.allclose(out, torch.full_like(out, want)), (out[0, 0], want)
+    print("async ok", out[0, 0].item())
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 2)
+    assert res.code == 0, res
+    assert res.stdout.count("async ok") == 3 and "needs an optimizer" in res.stdout, res
+
+
+def test_optimizer_states_saved_and_restored_through_the_servers(tmp_path: Path) -> None:
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(1200, 1000))
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5))
+    out = torch.empty(1200, 1000)
+    W = kv.num_workers
+    kv.pushpull("w", torch.ones(1200, 1000), out=out)      # buf W, w -W
+    kv.barrier()
+    if kv.rank == 0:
+        kv.save_optimizer_states("states.pskv")
+    kv.barrier()
+    kv.pushpull("w", torch.ones(1200, 1000), out=out)      # buf 1.5W, w -2.5W
+    kv.barrier()
+    if kv.rank == 0:
+        kv.load_optimizer_states("states.pskv")             # buf back to W
+    kv.barrier()
+    kv.pushpull("w", torch.ones(1200, 1000), out=out)      # buf 1.5W again, w -4W
+    assert torch.allclose(out, torch.full_like(out, -4.0 * W)), out[0, 0]
+    print("states ok")
+    kv.close()
+    """
+    res = launch(tmp_path, script, 2, 2)
+    assert res.code == 0 and res.stdout.count("states ok") == 2, res
+    import torch
+
+    saved = torch.load(tmp_path / "states.pskv", weights_only=True)
+    assert torch.all(saved["keys"][0]["tensors"]["momentum_buffer"] == 2.0)
+
+
+def test_worker_leaving_early_is_named(tmp_path: Path) -> None:
+    script = """
+    import time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(2))
+    if kv.rank == 1:
+        raise SystemExit(0)  # leaves without pushing; its store closes at exit
+    time.sleep(1)
+    kv.push("w", torch.ones(2))
+    kv.pull("w", torch.empty(2))
+    """
+    res = launch(tmp_path, script, 2, 1, env={"PSKV_TIMEOUT": "60"})
+    assert res.code != 0, res
+    assert "worker 1 finished (closed its store) without pushing key 'w'" in res.stderr, res
+    assert res.seconds < 60, "the error must come long before PSKV_TIMEOUT"
+
+
+def test_killed_server_is_named_and_the_job_stops(tmp_path: Path) -> None:
+    script = """
+    import os, signal, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(1200, 1000))
+    if kv.rank == 0:
+        victim = kv._client.servers[1]["pid"]
+        print("killing server 1, pid", victim, flush=True)
+        os.kill(victim, signal.SIGKILL)
+    time.sleep(60)
+    """
+    res = launch(tmp_path, script, 2, 2)
+    assert res.code == 128 + 9, res
+    assert "server 1 was killed by SIGKILL; stopped the other processes of the job" in res.stderr, res
+    assert res.seconds < 45, res
+
+
+def test_heartbeats_name_a_dead_server_without_the_launcher(tmp_path: Path) -> None:
+    """Started by hand (no launcher watching): the workers notice through the scheduler's heartbeats."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pskv.launch.local import free_port
+
+    port = free_port()
+    base = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+        "DMLC_PS_ROOT_URI": "127.0.0.1",
+        "DMLC_PS_ROOT_PORT": str(port),
+        "DMLC_NUM_WORKER": "1",
+        "DMLC_NUM_SERVER": "2",
+        "PSKV_HEARTBEAT_TIMEOUT": "3",
+        "PSKV_TIMEOUT": "120",
+    }
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import time, torch, pskv\n"
+        "kv = pskv.kv.create('dist_sync')\n"
+        "kv.init('w', torch.zeros(1200, 1000))\n"
+        "print('ready', flush=True)\n"
+        "kv.push('w', torch.ones(1200, 1000))\n"
+        "kv.pull('w', torch.empty(1200, 1000))\n"
+        "time.sleep(2)\n"
+        "kv.pull('w', torch.empty(1200, 1000))\n"
+    )
+    serve = [sys.executable, "-m", "pskv", "serve"]
+    procs = {
+        "scheduler": subprocess.Popen(
+            serve, env={**base, "DMLC_ROLE": "scheduler"}, stderr=subprocess.PIPE, text=True
+        ),
+        "server 0": subprocess.Popen(
+            serve,
+            env={**base, "DMLC_ROLE": "server", "DMLC_SERVER_ID": "0"},
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+        "server 1": subprocess.Popen(
+            serve,
+            env={**base, "DMLC_ROLE": "server", "DMLC_SERVER_ID": "1"},
+            stderr=subprocess.PIPE,
+            text=True,
+        ),
+    }
+    worker = subprocess.Popen(
+        [sys.executable, str(script)],
+        env={**base, "DMLC_ROLE": "worker"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        assert worker.stdout.readline().strip() == "ready"
+        procs["server 1"].send_signal(signal.SIGSTOP)  # hung, not dead: only heartbeats can tell
+        start = time.monotonic()
+        _, err = worker.communicate(timeout=60)
+        took = time.monotonic() - start
+        assert worker.returncode != 0, err
+        assert "NodeFailedError" in err and "server 1" in err and "no heartbeat" in err, err
+        assert took < 20, took
+        for name in ("scheduler", "server 0"):
+            procs[name].wait(timeout=20)
+            assert procs[name].returncode == 1, name
+    finally:
+        for p in [*procs.values(), worker]:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+            p.communicate()  # reaps it and closes its pipes

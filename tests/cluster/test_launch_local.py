@@ -1,0 +1,198 @@
+"""``pskv launch --launcher local``: environment, output, exit status, stopping."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .jobs import REPO, launch, run
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_environment_prefixes_and_env_options(tmp_path: Path) -> None:
+    script = """
+    import os
+    keys = ["DMLC_ROLE", "DMLC_WORKER_ID", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER", "DMLC_PS_ROOT_URI", "RANK", "WORLD_SIZE", "A", "B", "C"]
+    print(" ".join(f"{k}={os.environ.get(k)}" for k in keys))
+    """
+    res = launch(
+        tmp_path,
+        script,
+        2,
+        0,
+        env={"B": "from-launcher"},
+        launch_args=["--env", "A:1", "--env", "B", "--env-worker", "C:w"],
+    )
+    assert res.code == 0, res
+    for w in range(2):
+        want = (
+            f"[worker {w}] DMLC_ROLE=worker DMLC_WORKER_ID={w} DMLC_NUM_WORKER=2 DMLC_NUM_SERVER=0 "
+            f"DMLC_PS_ROOT_URI=127.0.0.1 RANK={w} WORLD_SIZE=2 A=1 B=from-launcher C=w"
+        )
+        assert want in res.stdout, res
+
+
+def test_servers_get_their_own_env(tmp_path: Path) -> None:
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init(0, torch.zeros(2))
+    kv.close()
+    """
+    res = launch(tmp_path, script, 1, 2, launch_args=["--env-server", "PSKV_VERBOSE:1"])
+    assert res.code == 0, res
+    for s in range(2):
+        assert f"[server {s}] pskv server {s}: serving on tcp://127.0.0.1:" in res.stderr, res
+        assert f"[server {s}] pskv server {s}: exiting with status 0" in res.stderr, res
+    assert "pskv scheduler:" not in res.stderr and "pskv worker" not in res.stderr, res
+
+
+def test_failing_worker_status_is_the_launchers_and_the_rest_stop(tmp_path: Path) -> None:
+    script = """
+    import os, sys, time
+    print("pid", os.getpid(), flush=True)
+    if os.environ["DMLC_WORKER_ID"] == "1":
+        print("worker 1 gives up", file=sys.stderr, flush=True)
+        sys.exit(3)
+    time.sleep(120)
+    """
+    res = launch(tmp_path, script, 3, 1)
+    assert res.code == 3, res
+    assert "worker 1 exited with status 3; stopped the other processes of the job" in res.stderr, res
+    assert "worker 1 gives up" in res.stderr
+    assert res.seconds < 60, res
+    pids = [int(line.split()[-1]) for line in res.stdout.splitlines() if " pid " in line]
+    assert len(pids) == 3
+    for pid in pids:
+        assert (
+            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+        )
+
+
+def test_torch_distributed_runs_under_pskv_launch(tmp_path: Path) -> None:
+    """-s 0 starts workers only, with the variables torchrun sets: gloo just works."""
+    script = """
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    print("allreduce", t.tolist())
+    dist.destroy_process_group()
+    """
+    res = launch(tmp_path, script, 2, 0)
+    assert res.code == 0, res
+    assert res.stdout.count("allreduce [3.0, 3.0, 3.0]") == 2, res
+
+
+def test_shell_command_string(tmp_path: Path) -> None:
+    res = run(
+        [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "0", "echo hello $DMLC_WORKER_ID"],
+        timeout=60,
+    )
+    assert res.code == 0, res
+    assert "[worker 0] hello 0" in res.stdout and "[worker 1] hello 1" in res.stdout, res
+
+
+def test_bad_arguments_are_clear(tmp_path: Path) -> None:
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "pskv",
+            "launch",
+            "-n",
+            "1",
+            "-s",
+            "0",
+            "--env",
+            "NOT_SET_ANYWHERE_X",
+            "--",
+            "true",
+        ],
+        timeout=60,
+    )
+    assert res.code == 2 and "NOT_SET_ANYWHERE_X is not set here" in res.stderr, res
+    res = run(
+        [sys.executable, "-m", "pskv", "launch", "-n", "1", "-s", "0", "--", "/no/such/program"], timeout=60
+    )
+    assert res.code == 2 and "cannot start /no/such/program" in res.stderr, res
+    res = run([sys.executable, "-m", "pskv", "launch", "-n", "1"], timeout=60)
+    assert res.code == 2 and "no command to run" in res.stderr, res
+
+
+def test_ctrl_c_stops_the_whole_job(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(300)\n")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "1", "--", sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 130, err
+        assert "got SIGINT; stopping the job" in err
+        time.sleep(0.2)
+        for pid in pids:
+            assert not Path(f"/proc/{pid}").exists(), f"worker pid {pid} survived"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+
+
+def test_random_bytes_and_truncated_messages_on_a_servers_tcp_port(tmp_path: Path) -> None:
+    script = """
+    import os, socket, torch, zmq, pskv
+    from pskv.ps.message import HEADER, Message, Type, decode, encode
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.ones(8))
+    endpoint = kv._client.servers[0]["endpoint"]
+    host, port = endpoint[len("tcp://"):].rsplit(":", 1)
+    for blob in [os.urandom(4096), b"\\xff" * 10, b"GET / HTTP/1.0\\r\\n\\r\\n"]:   # not even zmq
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(blob)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, b"worker:0/fuzz")
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    frames = encode(Message(Type.PUSH, key=0, frames=[b"\\x00" * 32]))
+    for cut in [frames[0][:10], frames[0][: HEADER.size - 1], os.urandom(HEADER.size)]:
+        sock.send_multipart([cut])
+        reply = decode(sock.recv_multipart())
+        assert reply.type == Type.ERROR and reply.meta["kind"] == "ProtocolError", reply
+    sock.close(linger=0)
+    kv.push("w", torch.full((8,), 2.0))
+    out = torch.empty(8)
+    kv.pull("w", out)
+    assert torch.equal(out, torch.full((8,), 2.0)), out
+    print("server kept serving")
+    kv.close()
+    """
+    res = launch(tmp_path, script, 1, 1)
+    assert res.code == 0 and "server kept serving" in res.stdout, res
+
+
+def test_scheduler_runs_without_torch() -> None:
+    code = "import sys, pskv.cli, pskv.ps, pskv.ps.scheduler; print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.stdout.strip() == "False", out

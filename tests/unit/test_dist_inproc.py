@@ -1,0 +1,334 @@
+"""The parameter-server system with several workers, inside one process (threads + inproc://).
+
+The same contract is checked with real processes through ``pskv launch`` in tests/cluster;
+these run in seconds and cover the failure paths in detail.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+import zmq
+
+import pskv
+from pskv.kv import KVStore
+from pskv.ps.message import HEADER, MAGIC, Message, Type, decode, encode, tensor_frame
+
+Job = Callable[..., Any]
+
+
+def formula_sgd(workers: int, lr: float, r: float, rounds: int) -> float:
+    return 1 - lr * r * workers * (workers + 1) / 2 * rounds
+
+
+@pytest.mark.parametrize(("workers", "servers"), [(1, 1), (2, 2), (3, 2)])
+def test_sync_rounds_follow_the_formula(inproc_job: Job, workers: int, servers: int) -> None:
+    job = inproc_job(workers, servers)
+
+    def body(kv: KVStore) -> list[float]:
+        seen = []
+        for shape in [(3,), (1200, 1200), (1211, 1211)]:
+            name = f"w{shape[0]}"
+            kv.init(name, torch.ones(shape))
+            g = torch.full(shape, float(kv.rank + 1))
+            out = torch.empty(shape)
+            kv.push(name, g)
+            kv.pull(name, out)
+            assert torch.all(out == workers * (workers + 1) / 2), "no optimizer: the sum replaces the value"
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, rescale_grad=0.5))
+        for shape in [(3,), (1200, 1200), (1211, 1211)]:
+            name = f"o{shape[0]}"
+            kv.init(name, torch.ones(shape))
+            g = torch.full(shape, float(kv.rank + 1))
+            out = torch.empty(shape)
+            for i in range(3):
+                kv.push(name, g)
+                kv.pull(name, out)
+                want = formula_sgd(workers, 0.1, 0.5, i + 1)
+                assert torch.allclose(out, torch.full(shape, want)), (shape, i, out.flatten()[:3])
+                assert torch.equal(g, torch.full(shape, float(kv.rank + 1))), "the pushed tensor changed"
+            seen.append(out[0].flatten()[0].item())
+        return seen
+
+    results = job.run_workers(body)
+    assert all(r == results[0] for r in results)
+    assert job.join() == {"scheduler": 0, **{f"server {s}": 0 for s in range(servers)}}
+
+
+def test_a_second_push_waits_for_the_next_round(inproc_job: Job) -> None:
+    """Round = one push from each *distinct* worker: worker 0 pushing twice does not complete it."""
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> float:
+        kv.init(0, torch.zeros(2))
+        out = torch.empty(2)
+        if kv.rank == 0:
+            kv.push(0, torch.full((2,), 1.0))
+            kv.push(0, torch.full((2,), 10.0))
+            kv.pull(0, out)  # sees round 1: both of its pushes merged with worker 1's
+        else:
+            time.sleep(0.3)
+            kv.push(0, torch.full((2,), 2.0))
+            kv.pull(0, out)  # round 0: 1 + 2
+            r0 = out[0].item()
+            kv.push(0, torch.full((2,), 20.0))
+            kv.pull(0, out)  # round 1: 10 + 20
+            assert r0 == 3.0
+        return out[0].item()
+
+    assert job.run_workers(body) == [30.0, 30.0]
+
+
+def test_device_lists_and_string_keys(inproc_job: Job) -> None:
+    job = inproc_job(2, 2)
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init(["a", "b"], [torch.zeros(4), torch.zeros(1500, 1000)])
+        kv.push(["a", "b"], [[torch.ones(4)] * 3, [torch.ones(1500, 1000), torch.ones(1500, 1000)]])
+        outs = [torch.empty(4), [torch.empty(1500, 1000), torch.empty(1500, 1000)]]
+        kv.pull(["a", "b"], outs)
+        return [outs[0][0].item(), outs[1][0][0, 0].item(), outs[1][1][-1, -1].item()]
+
+    assert job.run_workers(body, "dist_device_sync") == [[6.0, 4.0, 4.0]] * 2
+
+
+def test_async_applies_every_push(inproc_job: Job) -> None:
+    job = inproc_job(3, 2)
+    pushes, lr = 4, 0.01
+
+    def body(kv: KVStore) -> float:
+        kv.init("w", torch.zeros(1200, 1000))
+        with pytest.raises(pskv.OptimizerRequiredError, match="set_optimizer"):
+            kv.push("w", torch.ones(1200, 1000))
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=lr))
+        for _ in range(pushes):
+            kv.push("w", torch.full((1200, 1000), float(kv.rank + 1)))
+        kv.barrier()
+        out = torch.empty(1200, 1000)
+        kv.pull("w", out)
+        return float(out.mean())
+
+    want = -lr * pushes * (1 + 2 + 3)
+    assert job.run_workers(body, "dist_async") == pytest.approx([want] * 3)
+
+
+def test_async_server_refuses_pushes_without_optimizer_and_stays_up(inproc_job: Job) -> None:
+    """A worker that skips the client-side check still gets a clear error from the server."""
+    job = inproc_job(1, 1)
+    with job.worker("dist_async") as kv:
+        kv.init(0, torch.zeros(3))
+        kv._optimizer = pskv.optim.create("sgd")  # pretend, so the push reaches the server
+        kv.push(0, torch.ones(3))
+        with pytest.raises(pskv.OptimizerRequiredError, match="needs an optimizer"):
+            kv.pull(0, torch.empty(3))
+        kv._optimizer = None
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+        kv.push(0, torch.ones(3))
+        out = torch.empty(3)
+        kv.pull(0, out)
+        assert torch.equal(out, -torch.ones(3))
+
+
+def test_optimizer_states_through_the_servers(inproc_job: Job, tmp_path: Any) -> None:
+    job = inproc_job(2, 2)
+    path = str(tmp_path / "states")
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init("w", torch.zeros(1200, 1000))
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5))
+        out = torch.empty(1200, 1000)
+        kv.pushpull("w", torch.ones(1200, 1000), out=out)  # sum 2: buf 2, w -2
+        kv.barrier()
+        if kv.rank == 0:
+            kv.save_optimizer_states(path)
+        kv.barrier()
+        kv.pushpull("w", torch.ones(1200, 1000), out=out)  # buf 3, w -5
+        kv.barrier()
+        if kv.rank == 0:
+            kv.load_optimizer_states(path)  # buf back to 2
+        kv.barrier()
+        kv.pushpull("w", torch.ones(1200, 1000), out=out)  # buf 3 again: w -8
+        return [out[0, 0].item(), out[-1, -1].item()]
+
+    assert job.run_workers(body) == [[-8.0, -8.0]] * 2
+    saved = torch.load(path, weights_only=True)
+    assert saved["keys"][0]["tensors"]["momentum_buffer"].shape == (1200, 1000)
+    assert torch.all(saved["keys"][0]["tensors"]["momentum_buffer"] == 2.0)
+
+
+def test_row_sparse_over_split_keys(inproc_job: Job) -> None:
+    job = inproc_job(2, 2)
+
+    def body(kv: KVStore) -> list[list[float]]:
+        weight = torch.arange(2000.0).repeat_interleave(600).view(2000, 600)
+        kv.init("emb", weight.to_sparse(1))
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+        grad = torch.sparse_coo_tensor(torch.tensor([[5, 1999]]), torch.ones(2, 600), (2000, 600), check_invariants=True)
+        kv.push("emb", grad)
+        out = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.zeros(1, 600), (2000, 600), check_invariants=True)
+        kv.row_sparse_pull("emb", out, row_ids=torch.tensor([1999, 5, 7, 5]))
+        out = out.coalesce()
+        return [out.indices()[0].tolist(), out.values()[:, 0].tolist()]
+
+    assert job.run_workers(body) == [[[5, 7, 1999], [3.0, 7.0, 1997.0]]] * 2
+
+
+# -- failures: never a silent hang ----------------------------------------------------------------
+
+
+def test_worker_leaving_early_fails_the_round_naming_it(inproc_job: Job) -> None:
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> str:
+        kv.init("w", torch.zeros(2))
+        if kv.rank == 1:
+            return "left"  # closes its store without pushing
+        time.sleep(0.2)
+        kv.push("w", torch.ones(2))
+        start = time.monotonic()
+        with pytest.raises(pskv.NodeFailedError, match=r"worker 1 finished \(closed its store\) without pushing key 'w'"):
+            kv.pull("w", torch.empty(2))
+        assert time.monotonic() - start < 5
+        return "failed fast"
+
+    assert job.run_workers(body) == ["failed fast", "left"]
+
+
+def test_pull_deadline_names_the_missing_workers(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSKV_TIMEOUT", "1.5")
+    job = inproc_job(3, 1)
+
+    def body(kv: KVStore) -> str:
+        kv.init("w", torch.zeros(2))
+        if kv.rank == 0:
+            kv.push("w", torch.ones(2))
+            with pytest.raises(pskv.DeadlineExceeded, match=r"workers \[1, 2\] have not pushed key 'w'.*pushed: \[0\]"):
+                kv.pull("w", torch.empty(2))
+            return "deadline"
+        time.sleep(3.5)  # alive, heartbeating, but not pushing
+        return "slow"
+
+    assert job.run_workers(body) == ["deadline", "slow", "slow"]
+
+
+def test_barrier_deadline_names_the_missing(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSKV_TIMEOUT", "1")
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> str:
+        if kv.rank == 0:
+            with pytest.raises(pskv.DeadlineExceeded, match=r"waiting for worker ranks \[1\] \(arrived: \[0\]\)"):
+                kv.barrier()
+        else:
+            time.sleep(2.5)
+        return "ok"
+
+    job.run_workers(body)
+
+
+def test_start_timeout_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "1")
+    from tests.conftest import InprocJob
+
+    job = InprocJob(workers=2, servers=1)  # no worker ever comes
+    codes = job.join()
+    assert codes["scheduler"] == 1 and codes["server 0"] == 1
+
+
+def test_dead_scheduler_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSKV_HEARTBEAT_TIMEOUT", "1")
+    from pskv.ps.client import WorkerClient
+    from pskv.ps.postoffice import JobEnv
+
+    root = "inproc://no-scheduler-here"
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)  # accepts the registration, then never answers
+    fake.bind(root)
+    try:
+        client = WorkerClient(JobEnv("worker", root, 0, 1, 1))
+        client.servers = [{"rank": 0, "endpoint": "inproc://nowhere"}]
+        client.workers = [{"rank": 0}]
+        client.rank = 0
+        client.van.connect("scheduler", root, identity="worker")
+        import threading
+
+        client._thread = threading.Thread(target=client._loop, daemon=True)
+        client._thread.start()
+        req = client.submit("scheduler", Message(Type.BARRIER, meta={"group": "worker"}), "barrier")
+        with pytest.raises(pskv.NodeFailedError, match=r"scheduler .* has not answered"):
+            client.wait([req])
+        client._stop = True
+        client._thread.join(5)
+    finally:
+        fake.close(linger=0)
+
+
+# -- hostile input --------------------------------------------------------------------------------
+
+
+def _raw_client(endpoint: str, identity: bytes) -> zmq.Socket[bytes]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    return sock
+
+
+def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(inproc_job: Job) -> None:
+    import pickle
+
+    job = inproc_job(1, 1)
+    with job.worker() as kv:
+        kv.init(0, torch.ones(4))
+        endpoint = kv._client.servers[0]["endpoint"]  # type: ignore[attr-defined]
+        bad = _raw_client(endpoint, b"worker:0/hostile")
+        stranger = _raw_client(endpoint, b"somebody/else")
+
+        class Evil:
+            def __reduce__(self) -> tuple[Any, ...]:
+                return (print, ("pwned",))
+
+        cases = [
+            [b"garbage"],
+            [b"\x00" * HEADER.size],
+            [HEADER.pack(MAGIC, 1, 99, 0, -1, 1, 0, 0, 0, 0, 0, 0)],
+            [pickle.dumps(Evil())],
+            encode(Message(Type.PUSH, key=0, frames=[b"\x00" * 3])),  # wrong size
+            encode(Message(Type.PUSH, key=42, frames=[b"\x00" * 16])),  # unknown key
+            encode(Message(Type.INIT, key=1, meta={"dtype": "object", "numel": 1, "row_numel": 1, "mode": "sync"})),
+            encode(Message(Type.INIT, key=1, meta={"dtype": "float32", "numel": -5, "row_numel": 1, "mode": "sync"})),
+            encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd", "hyper": {"learning_rate": "import os"}}})),
+            encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "__import__"}})),
+            encode(Message(Type.ROW_PULL, key=0, frames=[tensor_frame(torch.tensor([99]))])),
+            encode(Message(Type.SHUTDOWN)),
+        ]
+        for frames in cases:
+            bad.send_multipart(frames)
+            reply = decode(bad.recv_multipart())
+            assert reply.type == Type.ERROR, frames
+            assert (reply.meta or {}).get("kind") in ("ProtocolError", "KeyNotInitializedError", "OptimizerError"), reply.meta
+        stranger.send_multipart(encode(Message(Type.PULL, key=0)))
+        assert "requests come from workers" in (decode(stranger.recv_multipart()).meta or {})["message"]
+        bad.close()
+        stranger.close()
+        kv.push(0, torch.full((4,), 3.0))  # still serving, values intact
+        out = torch.empty(4)
+        kv.pull(0, out)
+        assert torch.equal(out, torch.full((4,), 3.0))
+    assert job.join()["server 0"] == 0
+
+
+def test_surplus_and_duplicate_registrations_are_refused(inproc_job: Job) -> None:
+    job = inproc_job(1, 1)
+    with job.worker() as kv:
+        from pskv.ps.client import WorkerClient
+
+        extra = WorkerClient(job.env("worker"))
+        with pytest.raises(pskv.ClusterError, match="already has its 1 workers"):
+            extra.join(None)
+        extra.van.close(0)
+        kv.init(0, torch.ones(1))

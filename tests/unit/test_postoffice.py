@@ -1,0 +1,37 @@
+"""The DMLC_* environment contract of SPEC.md section 8."""
+
+from __future__ import annotations
+
+import pytest
+
+from pskv.errors import ClusterError
+from pskv.ps.postoffice import JobEnv
+
+BASE = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "2"}
+
+
+def test_reads_the_contract() -> None:
+    env = JobEnv.from_environ({**BASE, "DMLC_WORKER_ID": "2"})
+    assert (env.role, env.num_workers, env.num_servers, env.worker_id) == ("worker", 3, 2, 2)
+    assert env.scheduler_endpoint == "tcp://127.0.0.1:9000"
+    assert env.advertised_host() == "127.0.0.1"
+    assert JobEnv.from_environ({**BASE, "DMLC_NODE_HOST": "10.1.2.3"}).advertised_host() == "10.1.2.3"
+    assert JobEnv.from_environ({**BASE, "DMLC_INTERFACE": "lo"}).advertised_host() == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"DMLC_ROLE": ""}, "DMLC_ROLE is not set"),
+        ({"DMLC_ROLE": "boss"}, "DMLC_ROLE='boss'"),
+        ({"DMLC_PS_ROOT_URI": ""}, "DMLC_PS_ROOT_URI"),
+        ({"DMLC_PS_ROOT_PORT": "x"}, "DMLC_PS_ROOT_PORT='x' is not an integer"),
+        ({"DMLC_NUM_WORKER": "0"}, "DMLC_NUM_WORKER=0 must be >= 1"),
+        ({"DMLC_NUM_SERVER": ""}, "DMLC_NUM_SERVER is not set"),
+        ({"DMLC_WORKER_ID": "3"}, "DMLC_WORKER_ID=3 but the job has DMLC_NUM_WORKER=3"),
+        ({"DMLC_INTERFACE": "nosuchif0"}, "DMLC_INTERFACE='nosuchif0'"),
+    ],
+)
+def test_bad_environment_names_the_variable(change: dict[str, str], match: str) -> None:
+    with pytest.raises(ClusterError, match=match):
+        JobEnv.from_environ({**BASE, **change}).advertised_host()
