@@ -8,6 +8,9 @@ variable                   default  meaning
 ``PSKV_HEARTBEAT_TIMEOUT`` 30       seconds of silence after which a node is declared dead
 ``PSKV_HEARTBEAT_INTERVAL`` 1       seconds between heartbeats (kept below the timeout / 3)
 ``PSKV_BIGARRAY_BOUND``    1000000  arrays with at least this many elements are sliced over servers
+``PSKV_CHUNK_BYTES``       4194304  big slices are cut into parts of at most this many bytes
+``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
+``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
 ========================== ======== ============================================================
 
@@ -89,6 +92,11 @@ def bigarray_bound() -> int:
     if bound < 1:
         raise ValueError(f"PSKV_BIGARRAY_BOUND must be positive, got {bound}")
     return bound
+
+
+def chunk_bytes() -> int:
+    """``PSKV_CHUNK_BYTES``: the largest part a big array's slice is cut into (0: no cutting)."""
+    return max(0, getenv("PSKV_CHUNK_BYTES", 4 << 20))
 
 
 def verbose() -> bool:

@@ -94,18 +94,27 @@ def inproc_job() -> Iterator[Callable[..., InprocJob]]:
         job.join()
 
 
-STORE_TYPES = ["local", "device", "dist_sync", "dist_device_sync"]
+# "dist_sync/tcp": the same store with shared memory switched off (PSKV_SHM=0), so both data
+# paths meet every semantic test
+STORE_TYPES = ["local", "device", "dist_sync", "dist_sync/tcp", "dist_device_sync"]
 
 
 @pytest.fixture
-def make_store(inproc_job: Callable[..., InprocJob]) -> Iterator[Callable[[str], KVStore]]:
+def make_store(inproc_job: Callable[..., InprocJob], monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], KVStore]]:
     """``make_store(type)``: a fresh store; a dist type gets a one-worker, two-server job of its own."""
     import pskv
 
     made: list[KVStore] = []
 
     def make(store_type: str) -> KVStore:
-        kv = inproc_job(1, 2).worker(store_type) if store_type.startswith("dist") else pskv.kv.create(store_type)
+        name, _, path = store_type.partition("/")
+        if path == "tcp":
+            monkeypatch.setenv("PSKV_SHM", "0")
+        kv = inproc_job(1, 2).worker(name) if name.startswith("dist") else pskv.kv.create(name)
+        if name.startswith("dist"):  # the path under test is the one taken
+            import os
+
+            assert bool(kv._shm_servers) == (os.environ.get("PSKV_SHM") != "0")  # type: ignore[attr-defined]
         made.append(kv)
         return kv
 

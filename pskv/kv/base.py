@@ -377,6 +377,24 @@ class KVStore(ABC):
             self._check_open()
             self._barrier_impl()
 
+    def allgather(self, value: Any) -> list[Any]:
+        """Every worker's ``value``, by rank: a barrier that carries a small JSON-able value.
+
+        For metrics and other bookkeeping (never for tensors: push and pull those). Blocks until
+        every worker calls it. In-process stores return ``[value]``.
+
+        >>> losses = kv.allgather({"loss": total_loss, "samples": n})
+        """
+        import json
+
+        try:
+            json.dumps(value, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise errors.InvalidValueError(f"allgather takes JSON values (numbers, strings, lists, dicts): {exc}") from None
+        with self._lock:
+            self._check_open()
+            return self._allgather_impl(value)
+
     def close(self) -> None:
         """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""
         with self._lock:
@@ -423,6 +441,10 @@ class KVStore(ABC):
 
     def _barrier_impl(self) -> None:
         """In-process stores have nothing to wait for."""
+
+    def _allgather_impl(self, value: Any) -> list[Any]:
+        """In-process stores have one worker."""
+        return [value]
 
     def _close_impl(self) -> None:
         """In-process stores hold nothing that needs releasing."""

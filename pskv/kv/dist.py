@@ -19,6 +19,7 @@ A process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` serves instead (see
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 import weakref
 from typing import Any, Optional
@@ -30,10 +31,11 @@ from .. import config, errors
 from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
+from ..ps import shm
 from ..ps.client import WorkerClient
-from ..ps.message import Flag, Message, Type, dtype_name, frame_tensor, tensor_frame
+from ..ps.message import Flag, Message, Type, dtype_name, frame_tensor, pack_index, tensor_frame, unpack_index
 from ..ps.partition import Part, place
-from ..ps.postoffice import JobEnv
+from ..ps.postoffice import JobEnv, host_identity
 from ..ps.tracker import Request
 from .base import KeyMeta, KVStore
 
@@ -57,6 +59,17 @@ def _close_at_exit(ref: weakref.ReferenceType[DistStore]) -> None:
             print(f"pskv: closing the store at exit failed: {exc}", file=sys.stderr)
 
 
+class _Batch:
+    """The dense parts of one push call bound for one server."""
+
+    __slots__ = ("frames", "rows", "slots")
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, int, int]] = []  # key, part, fd (-1: a frame), offset, bytes
+        self.frames: list[Any] = []
+        self.slots: list[tuple[int, int]] = []
+
+
 class DistStore(KVStore):
     """A worker's view of the parameter servers. Thread-safe like every store (one call at a time)."""
 
@@ -69,7 +82,17 @@ class DistStore(KVStore):
         self._bound = config.bigarray_bound()
         self._parts: dict[int, list[Part]] = {}
         self._pushes: dict[tuple[int, int], int] = {}
+        self._chunk = config.chunk_bytes()
+        self._arenas = shm.Arenas()
+        self._maps = shm.Mappings()
+        self._slots: dict[tuple[int, int], tuple[shm.Arena, int, Tensor]] = {}  # part -> its push slot
+        self._last_shm_push: dict[tuple[int, int], Request] = {}
         self._atexit = atexit.register(_close_at_exit, weakref.ref(self))
+        try:
+            self._shm_servers = self._probe_shm()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def rank(self) -> int:
@@ -87,6 +110,34 @@ class DistStore(KVStore):
     def _server(self, p: Part) -> str:
         return f"server {p.server}"
 
+    def _probe_shm(self) -> set[int]:
+        """The servers this worker exchanges data with through shared memory (``PSKV_SHM``)."""
+        want = shm.mode()
+        if want == "0":
+            return set()
+        mine = host_identity()
+        arena = self._arenas.first()
+        ok: set[int] = set()
+        for s, info in enumerate(self._client.servers):
+            if not mine or info.get("shm_host") != mine:
+                if want == "1":
+                    raise errors.ClusterError(f"PSKV_SHM=1, but server {s} ({info.get('hostname')}) cannot share memory with this worker")
+                continue
+            answer: list[Message] = []
+            probe = Message(Type.SHM_PROBE, meta={"pid": os.getpid(), "fd": arena.fd, "token": arena.token.hex()})
+            req = self._client.submit(f"server {s}", probe, "shared-memory probe", on_reply=answer.append)
+            try:
+                self._client.wait([req])
+                meta = answer[0].meta or {}
+                if meta.get("pid") != info.get("pid"):
+                    raise errors.ProtocolError(f"server {s} answered the probe from pid {meta.get('pid')}")
+                self._maps.map(int(meta["pid"]), int(meta["fd"]), bytes.fromhex(str(meta["token"])))
+                ok.add(s)
+            except (errors.ProtocolError, KeyError, ValueError) as exc:
+                if want == "1":
+                    raise errors.ClusterError(f"PSKV_SHM=1, but shared memory with server {s} failed: {exc}") from None
+        return ok
+
     # -- init / push / pull -----------------------------------------------------------------------
 
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
@@ -95,7 +146,8 @@ class DistStore(KVStore):
         mode = "async" if self._async else "sync"
         for meta, value in items:
             row_numel = max(1, meta.row_numel) if meta.shape else 1
-            parts = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=row_numel)
+            chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
+            parts = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=row_numel, chunk=chunk)
             self._parts[meta.id] = parts
             flat = None
             if self.rank == 0:
@@ -122,22 +174,57 @@ class DistStore(KVStore):
             raise errors.OptimizerRequiredError(
                 "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
             )
+        batches: dict[int, _Batch] = {}  # server -> the dense parts for it: one message each
         for meta, values in items:
             comp = self._compressor
             if comp is not None and not any(v.is_sparse for v in values):
                 self._push_compressed(meta, values, comp, priority)
-                continue
-            device = values[0].device if self._on_device else torch.device("cpu")
-            merged = reduce_values(values, device).to("cpu")
-            for p in self._parts[meta.id]:
-                if merged.is_sparse:
-                    frames = self._sparse_frames(meta, p, merged)
-                    flags = Flag.SPARSE
-                else:
-                    frames = [tensor_frame(merged.view(-1)[p.start : p.stop])]
-                    flags = Flag.NONE
-                self._send_push(meta, p, frames, flags, None, priority)
+            elif any(v.is_sparse for v in values):
+                merged = reduce_values(values, torch.device("cpu"))
+                for p in self._parts[meta.id]:
+                    self._send_push(meta, p, self._sparse_frames(meta, p, merged), Flag.SPARSE, None, priority)
+            else:
+                self._push_dense(meta, values, batches)
+        for server, b in batches.items():
+            msg = Message(Type.PUSH, flags=Flag.BATCH, frames=[pack_index(b.rows, 5), *b.frames])
+            what = f"push of {len(b.rows)} parts"
+            if server in self._shm_servers:  # only headers travel, straight from this thread
+                req = self._client.send_now(server, msg, what, waited=False, entries=len(b.rows))
+            else:
+                req = self._client.submit(f"server {server}", msg, what, priority=priority, waited=False, wake=False, entries=len(b.rows))
+            for where in b.slots:
+                self._last_shm_push[where] = req
         self._client.flush()
+
+    def _push_dense(self, meta: KeyMeta, values: list[Tensor], batches: dict[int, _Batch]) -> None:
+        """Add ``meta``'s parts to the per-server batches: summed into shared slots, or as frames."""
+        if self._on_device and len(values) > 1 and values[0].device.type != "cpu":
+            values = [reduce_values(values, values[0].device)]  # sum on the device, copy once
+        flats = [v.detach().reshape(-1) for v in values]
+        merged: Optional[Tensor] = None
+        for p in self._parts[meta.id]:
+            where = (meta.id, p.index)
+            b = batches.setdefault(p.server, _Batch())
+            nbytes = p.numel * meta.dtype.itemsize
+            self._pushes[where] = self._pushes.get(where, 0) + 1
+            if p.server not in self._shm_servers:  # a server elsewhere: the bytes go in a frame
+                if merged is None:
+                    merged = reduce_values(values, torch.device("cpu")).reshape(-1)
+                b.rows.append((meta.id, p.index, -1, 0, nbytes))
+                b.frames.append(tensor_frame(merged[p.start : p.stop]))
+                continue
+            earlier = self._last_shm_push.get(where)
+            if earlier is not None and not earlier.done.is_set():
+                self._client.wait([earlier])  # the server still reads the slot (its round is open)
+            if where not in self._slots:
+                arena, offset = self._arenas.slot(nbytes)
+                self._slots[where] = (arena, offset, arena.tensor(offset, p.numel, meta.dtype))
+            arena, offset, slot = self._slots[where]
+            slot.copy_(flats[0][p.start : p.stop])
+            for f in flats[1:]:
+                slot.add_(f[p.start : p.stop].to("cpu"))
+            b.rows.append((meta.id, p.index, arena.fd, offset, nbytes))
+            b.slots.append(where)
 
     def _sparse_frames(self, meta: KeyMeta, p: Part, merged: Tensor) -> list[Any]:
         row_numel = max(1, meta.row_numel)
@@ -158,33 +245,55 @@ class DistStore(KVStore):
             self._send_push(meta, p, frames, Flag.COMPRESSED, {"codec": codec.describe()}, priority)
 
     def _send_push(self, meta: KeyMeta, p: Part, frames: list[Any], flags: Flag, info: Optional[dict[str, Any]], priority: int) -> None:
+        """A single-part push (row-sparse or compressed)."""
         self._pushes[(meta.id, p.index)] = self._pushes.get((meta.id, p.index), 0) + 1
         msg = Message(Type.PUSH, key=meta.id, part=p.index, flags=flags, meta=info, frames=frames)
         self._client.submit(self._server(p), msg, f"push of {meta}", priority=priority, waited=False, wake=False)
 
     def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None:
         self._client.check()
-        reqs: list[Request] = []
         copies: list[tuple[Tensor, list[Tensor]]] = []
+        rows: dict[int, list[tuple[int, int, int, int]]] = {}
+        dsts: dict[int, list[tuple[Tensor, torch.dtype]]] = {}
         for meta, outs in items:
             first = outs[0]
             direct = not first.is_sparse and first.device.type == "cpu" and first.is_contiguous()
             buf = first if direct else torch.empty(meta.shape, dtype=meta.dtype)
             flat = buf.detach().view(-1)  # filled by the I/O thread, where grad mode is on
             for p in self._parts[meta.id]:
-                dst = flat[p.start : p.stop]
-
-                def fill(msg: Message, dst: Tensor = dst, n: int = p.numel, dtype: torch.dtype = meta.dtype) -> None:
-                    dst.copy_(frame_tensor(msg.frames[0], dtype, n))
-
-                msg = Message(Type.PULL, key=meta.id, part=p.index, a=self._pushes.get((meta.id, p.index), 0))
-                reqs.append(self._client.submit(self._server(p), msg, f"pull of {meta}", fill, priority, wake=False))
+                shm_ok = int(p.server in self._shm_servers)
+                rows.setdefault(p.server, []).append((meta.id, p.index, self._pushes.get((meta.id, p.index), 0), shm_ok))
+                dsts.setdefault(p.server, []).append((flat[p.start : p.stop], meta.dtype))
             copies.append((buf, outs[1:] if direct else outs))
+        reqs: list[Request] = []
+        for server, server_rows in rows.items():
+            fill = self._filler(server, dsts[server])
+            msg = Message(Type.PULL, flags=Flag.BATCH, frames=[pack_index(server_rows, 4)])
+            what = f"pull of {len(server_rows)} parts"
+            if server in self._shm_servers:  # a header each way; the I/O thread copies the bytes
+                reqs.append(self._client.send_now(server, msg, what, fill, entries=len(server_rows)))
+            else:  # bytes on the wire: queued by priority
+                reqs.append(self._client.submit(f"server {server}", msg, what, fill, priority, wake=False, entries=len(server_rows)))
         self._client.flush()
         self._client.wait(reqs)
         for buf, outs in copies:
             for o in outs:
                 o.copy_(buf.to_sparse(1) if o.is_sparse else buf)
+
+    def _filler(self, server: int, dsts: list[tuple[Tensor, torch.dtype]]) -> Any:
+        """The I/O thread's copy of a (partial) batched answer into the pull's outputs."""
+        pid = int(self._client.servers[server]["pid"])
+
+        def fill(msg: Message) -> None:
+            frames = iter(msg.frames[1:])
+            for index, fd, offset, nbytes in unpack_index(msg.frames[0], 4):
+                dst, dtype = dsts[index]
+                if fd >= 0:
+                    dst.copy_(self._maps.tensor(pid, fd, offset, nbytes, dtype))
+                else:
+                    dst.copy_(frame_tensor(next(frames), dtype, dst.numel()))
+
+        return fill
 
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None:
         self._client.check()
@@ -304,6 +413,10 @@ class DistStore(KVStore):
     def _barrier_impl(self) -> None:
         self._client.check()
         self._client.barrier("worker")
+
+    def _allgather_impl(self, value: Any) -> list[Any]:
+        self._client.check()
+        return self._client.allgather(value)
 
     def _close_impl(self) -> None:
         atexit.unregister(self._atexit)

@@ -13,7 +13,8 @@ import itertools
 import sys
 import threading
 import time
-from typing import Optional
+import uuid
+from typing import Any, Optional
 
 from .. import config
 from ..errors import ClusterError, NodeFailedError, ProtocolError, PSKVError, StoreClosedError
@@ -54,10 +55,36 @@ class WorkerClient(Node):
                 "this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, "
                 "or use a local store"
             )
+        nonce = uuid.uuid4().hex[:12]
         for s in self.servers:
-            self.van.connect(f"server {s['rank']}", s["endpoint"], identity=f"worker:{self.rank}")
+            # answers come back on the I/O thread's connection; requests leave from the caller's
+            base = f"worker:{self.rank}/{nonce}"
+            self.van.connect(f"server {s['rank']}", s["endpoint"], identity=f"{base}/rx")
+            self.van.connect(f"server {s['rank']}/tx", s["endpoint"], identity=f"{base}/tx", receive=False)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
+        hellos = [self.submit(f"server {s['rank']}", Message(Type.HELLO), "hello") for s in self.servers]
+        self.wait(hellos)  # now every server can route answers to this worker
+
+    def send_now(
+        self, server: int, msg: Message, what: str, on_reply: Optional[OnReply] = None, waited: bool = True, entries: int = 1
+    ) -> Request:
+        """Send a request to ``server`` from the calling thread (no queue, no wake-up).
+
+        For the data path: one calling thread at a time (the store's lock). The answer arrives
+        on the I/O thread, which runs ``on_reply``.
+        """
+        if self._stop:
+            raise StoreClosedError("the store's connection to the job is closed")
+        if self.fatal is not None:
+            self.check()
+        req = self.tracker.open(what, f"server {server}", on_reply, waited, entries)
+        msg.req_id = req.req_id
+        try:
+            self.van.send(f"server {server}/tx", msg)
+        except PeerUnreachable as exc:
+            self.tracker.fail(req.req_id, exc)
+        return req
 
     # -- user side ----------------------------------------------------------------------------------
 
@@ -78,13 +105,14 @@ class WorkerClient(Node):
         priority: int = 0,
         waited: bool = True,
         wake: bool = True,
+        entries: int = 1,
     ) -> Request:
         """Queue ``msg`` for ``peer`` ("server 0", "scheduler"); returns its request to wait on."""
         if self._stop:
             raise StoreClosedError("the store's connection to the job is closed")
         if self.fatal is not None:
             self.check()
-        req = self.tracker.open(what, peer, on_reply, waited)
+        req = self.tracker.open(what, peer, on_reply, waited, entries)
         msg.req_id = req.req_id
         with self._queue_lock:
             heapq.heappush(self._queue, (-priority, next(self._seq), peer, msg))
@@ -104,6 +132,19 @@ class WorkerClient(Node):
         """Block until every node of ``group`` reaches a barrier."""
         req = self.submit("scheduler", Message(Type.BARRIER, a=next(self._barriers), meta={"group": group}), f"barrier of the {group}s")
         self.wait([req])
+
+    def allgather(self, value: Any) -> list[Any]:
+        """A worker barrier that carries ``value`` (JSON): every worker's value, by rank."""
+        got: list[Any] = []
+        meta = {"group": "worker", "value": value}
+        req = self.submit(
+            "scheduler",
+            Message(Type.BARRIER, a=next(self._barriers), meta=meta),
+            "allgather of the workers",
+            on_reply=lambda msg: got.extend((msg.meta or {}).get("values", [])),
+        )
+        self.wait([req])
+        return got
 
     def close(self) -> None:
         """Wait for outstanding requests, tell the scheduler this worker is done, stop the I/O thread."""

@@ -18,6 +18,7 @@ tensor helpers, so the scheduler (which moves control messages only) does not lo
 
 from __future__ import annotations
 
+import array
 import enum
 import json
 import struct
@@ -60,6 +61,8 @@ class Type(enum.IntEnum):
     SET_OPTIMIZER = 24  # meta: optimizer description, keep_states
     GET_STATES = 25
     SET_STATES = 26  # meta: per-part state layout; frames: state tensors
+    SHM_PROBE = 27  # meta: pid, fd, token of the worker's arena; the reply: the server's
+    HELLO = 28  # a worker's receiving connection introduces itself (answered OK)
     # replies (req_id matches the request)
     OK = 40
     DATA = 41  # frames: tensors
@@ -70,10 +73,11 @@ class Flag(enum.IntFlag):
     NONE = 0
     SPARSE = 1  # payload is (row ids, row values)
     COMPRESSED = 2  # payload is one codec frame per device value; meta holds the codec
-    SHM = 4  # payload is in shared memory; a/b/c: segment, offset, nbytes
+    SHM = 4  # payload is in shared memory: a = the owner's fd, b = offset, c = bytes (pid: node table)
+    BATCH = 8  # many parts in one message: the first payload frame is an index (see pack_index)
 
 
-_KNOWN_FLAGS = int(Flag.SPARSE | Flag.COMPRESSED | Flag.SHM)
+_KNOWN_FLAGS = int(Flag.SPARSE | Flag.COMPRESSED | Flag.SHM | Flag.BATCH)
 
 
 @dataclass
@@ -151,6 +155,26 @@ def decode(frames: Sequence[Buffer]) -> Message:
         if not isinstance(meta, dict):
             raise ProtocolError("metadata must be a JSON object")
     return Message(kind, req_id, key, part, a, b, c, flag, sender, meta, rest)
+
+
+def pack_index(rows: Sequence[Sequence[int]], cols: int) -> bytes:
+    """An index frame: ``rows`` of ``cols`` int64 each (a batched message's table of parts)."""
+    flat = array.array("q")
+    for row in rows:
+        if len(row) != cols:
+            raise ValueError(f"index rows have {cols} columns, got {len(row)}")
+        flat.extend(row)
+    return flat.tobytes()
+
+
+def unpack_index(frame: Buffer, cols: int) -> list[tuple[int, ...]]:
+    """The rows of an index frame; :class:`ProtocolError` if it is not ``n x cols`` int64."""
+    buf = _buf(frame)
+    if buf.nbytes % (8 * cols):
+        raise ProtocolError(f"an index frame of {buf.nbytes} bytes is not a table of {cols} int64 columns")
+    values = array.array("q")
+    values.frombytes(buf.tobytes())
+    return [tuple(values[i : i + cols]) for i in range(0, len(values), cols)]
 
 
 def error_reply(request: Message, exc: BaseException) -> Message:

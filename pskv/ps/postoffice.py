@@ -169,6 +169,17 @@ def bind_address(host: str) -> str:
         return "0.0.0.0"
 
 
+def host_identity() -> str:
+    """Equal for processes that can share memory: same boot and the same pid namespace."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return ""
+    return f"{boot}/{ns}"
+
+
 def describe_node(info: Mapping[str, Any]) -> str:
     """``"server 1 (host 10.0.0.2, pid 4242)"`` from a node-table entry."""
     where = f"host {info.get('hostname') or info.get('host')}, pid {info.get('pid')}"
@@ -211,6 +222,7 @@ class Node:
             "host": "inproc" if env.inproc else env.advertised_host(),
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
+            "shm_host": host_identity(),
         }
         if env.worker_id is not None:
             meta["id"] = env.worker_id

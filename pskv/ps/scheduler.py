@@ -47,6 +47,7 @@ class _Node:
             "host": self.meta.get("host"),
             "hostname": self.meta.get("hostname"),
             "pid": self.meta.get("pid"),
+            "shm_host": self.meta.get("shm_host"),
         }
 
     def __str__(self) -> str:
@@ -220,8 +221,11 @@ class Scheduler:
         bar.waiting[node.peer] = msg
         if all(n.peer in bar.waiting for n in members):
             del self.barriers[group]
+            # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
+            values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
+            meta = {"values": values} if any("value" in (bar.waiting[n.peer].meta or {}) for n in members) else None
             for n in members:
-                self._send(n, bar.waiting[n.peer].reply(Type.OK))
+                self._send(n, bar.waiting[n.peer].reply(Type.OK, meta=meta))
 
     def _fail_barrier(self, group: str, exc: Exception) -> None:
         bar = self.barriers.pop(group)

@@ -5,14 +5,21 @@ each as a flat tensor viewed as ``rows x row_numel`` (so row-sparse pushes and p
 
 - **init**: every worker sends INIT for every part; rank 0's carries the value. Requests on a
   part whose value has not arrived yet wait for it (deadline ``PSKV_TIMEOUT``).
+- **push and pull come in batches**: one message per server per call, an index frame listing
+  its parts (ps-lite's KVPairs). Answers are gathered while a batch of incoming messages is
+  handled and leave as one message per request.
 - **dist_sync**: a part's round completes when one push from *each distinct worker* is queued;
   a worker's second push waits in its queue for the next round. Then the pushes are summed and
-  the optimizer runs (or the sum replaces the value). A PULL carries how many pushes its worker
-  has issued and is answered once that many rounds are complete.
+  the optimizer runs (or the sum replaces the value, made in place in one pass). A pull carries
+  how many pushes its worker has issued and is answered once that many rounds are complete.
 - **dist_async**: each push is applied on arrival; it needs an optimizer.
-- Every request is checked; a bad one gets an ERROR reply naming what was wrong, never a crash.
-- A pull waiting past ``PSKV_TIMEOUT`` is answered with an error that names the workers whose
-  push is missing; a worker that finishes while a round still needs it fails that round at once.
+- **Shared memory** (same host): a push names a slot of the worker's arena and is acknowledged
+  once merged (until then the worker must not reuse the slot); values live in our arenas and a
+  pull is answered with the slot, which the worker copies from.
+- Every request is checked before anything is applied; a bad one gets an ERROR reply naming
+  what was wrong, never a crash. A pull waiting past ``PSKV_TIMEOUT`` is answered with an error
+  naming the workers whose push is missing; a worker that finishes while a round still needs it
+  fails that round at once.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import sys
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -43,18 +51,39 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..optim import KeyState, Optimizer, apply_push
-from .message import Flag, Message, Type, error_reply, frame_tensor, tensor_frame, torch_dtype
+from . import shm
+from .message import (
+    Flag,
+    Message,
+    Type,
+    error_reply,
+    frame_tensor,
+    pack_index,
+    tensor_frame,
+    torch_dtype,
+    unpack_index,
+)
 from .postoffice import JobEnv, Node
 from .van import Van
 
 PART_BITS = 20  # optimizer state key = key << PART_BITS | part
+_TX, _RX = b"/tx".hex(), b"/rx".hex()  # how a worker's two connections end, as peer names
 
 
 @dataclass
-class _Waiting:
+class _Wait:
+    """A request waiting for something; ``index`` is its entry in a batched request (-1: whole)."""
+
     peer: str
     msg: Message
+    index: int = -1
+    need: int = 0  # pulls: the round to wait for
+    shm: bool = False  # pulls: the worker reads the value from our shared memory
     since: float = field(default_factory=time.monotonic)
+
+    @property
+    def request(self) -> tuple[str, int]:
+        return (self.peer, self.msg.req_id)
 
 
 @dataclass
@@ -68,15 +97,22 @@ class _Part:
     row_sparse: bool
     mode: str  # "sync" | "async"
     value: Optional[Tensor] = None  # rows x row_numel
+    slot: Optional[tuple[int, int]] = None  # (arena fd, offset) when the value is in shared memory
+    scratch: Optional[Tensor] = None  # where a round's pushes are summed before the optimizer runs
     declared: set[int] = field(default_factory=set)
-    waiting: list[_Waiting] = field(default_factory=list)  # until the value arrives
+    waiting: list[_Wait] = field(default_factory=list)  # whole requests, until the value arrives
     rounds: int = 0
-    queued: dict[int, deque[Tensor]] = field(default_factory=dict)  # worker rank -> pushes
-    pulls: list[_Waiting] = field(default_factory=list)
+    # worker rank -> its pushes not merged yet: (gradient, the entry to acknowledge once merged)
+    queued: dict[int, deque[tuple[Tensor, Optional[_Wait]]]] = field(default_factory=dict)
+    pulls: list[_Wait] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
         return self.numel // self.row_numel if self.row_numel else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
     @property
     def opt_key(self) -> int:
@@ -84,6 +120,36 @@ class _Part:
 
     def __str__(self) -> str:
         return f"key {self.name} part {self.part}"
+
+
+class _Outbox:
+    """Answers to batched requests, gathered while a batch of messages is handled.
+
+    Each request gets one message per flush: its index lists the entries answered, as
+    ``(entry, fd, offset, bytes)`` (fd -1: the bytes are the next payload frame).
+    Acknowledgements of pushes leave before pulled data.
+    """
+
+    def __init__(self) -> None:
+        self._out: dict[tuple[str, int], tuple[Message, list[tuple[int, int, int, int]], list[Any]]] = {}
+
+    def add(self, w: _Wait, fd: int = -1, offset: int = 0, nbytes: int = 0, frame: Any = None) -> None:
+        entry = self._out.setdefault(w.request, (w.msg, [], []))
+        entry[1].append((w.index, fd, offset, nbytes))
+        if frame is not None:
+            entry[2].append(frame)
+
+    def drop(self, request: tuple[str, int]) -> None:
+        self._out.pop(request, None)
+
+    def take(self) -> list[tuple[str, Message]]:
+        out = []
+        for (peer, _), (req, rows, frames) in self._out.items():
+            kind = Type.OK if req.type == Type.PUSH else Type.DATA
+            out.append((peer, req.reply(kind, flags=Flag.BATCH, frames=[pack_index(rows, 4), *frames])))
+        self._out.clear()
+        out.sort(key=lambda pm: pm[1].type != Type.OK)
+        return out
 
 
 def server_threads() -> int:
@@ -103,6 +169,10 @@ class Server(Node):
         self.status: Optional[int] = None
         self.timeout = config.timeout()
         self._next_sweep = 0.0
+        self.shm = shm.mode() != "0"
+        self.arenas = shm.Arenas()
+        self.maps = shm.Mappings()
+        self.outbox = _Outbox()
 
     # -- loop -------------------------------------------------------------------------------------
 
@@ -135,10 +205,15 @@ class Server(Node):
                 if now >= self._next_sweep:
                     self._sweep(now)
                     self._next_sweep = now + 0.5
+                self._flush()
         finally:
             self.van.close(linger=2.0)
         self.say(f"exiting with status {self.status}")
         return self.status
+
+    def _flush(self) -> None:
+        for peer, msg in self.outbox.take():
+            self._reply(peer, msg)
 
     def _dispatch(self, peer: str, msg: Message | ProtocolError) -> None:
         if isinstance(msg, ProtocolError):
@@ -151,24 +226,40 @@ class Server(Node):
         try:
             self._request(peer, msg)
         except PSKVError as exc:
-            self._reply(peer, error_reply(msg, exc))
+            self._fail_request(peer, msg, exc)
         except Exception as exc:  # a bug must not take the server down; the worker sees it
             traceback.print_exc()
-            self._reply(peer, error_reply(msg, ClusterError(f"{self.name} failed on {msg}: {exc!r}")))
+            self._fail_request(peer, msg, ClusterError(f"{self.name} failed on {msg}: {exc!r}"))
 
     def _reply(self, peer: str, msg: Message) -> None:
+        # a worker sends requests on one connection (".../tx") and reads answers on another
+        if peer.endswith(_TX):
+            peer = peer[: -len(_TX)] + _RX
         try:
             self.van.send(peer, msg)
         except Exception as exc:
             print(f"pskv {self.name}: could not answer {peer}: {exc}", file=sys.stderr, flush=True)
+
+    def _fail_request(self, peer: str, msg: Message, exc: BaseException) -> None:
+        """Answer the whole request with an error and forget every entry of it still waiting."""
+        request = (peer, msg.req_id)
+        self.outbox.drop(request)
+        for p in self.parts.values():
+            p.pulls = [w for w in p.pulls if w.request != request]
+            p.waiting = [w for w in p.waiting if w.request != request]
+            for q in p.queued.values():
+                for i, (g, ack) in enumerate(q):
+                    if ack is not None and ack.request == request:
+                        q[i] = (g, None)  # still merged if its round comes; nobody waits for it
+        self._reply(peer, error_reply(msg, exc))
 
     def _control(self, msg: Message) -> None:
         if msg.type == Type.SHUTDOWN:
             self.status = 0
         elif msg.type == Type.WORKER_LEFT:
             self.left.add(msg.a)
-            for p in self.parts.values():
-                self._fail_blocked_pulls(p)
+            for p in list(self.parts.values()):
+                self._fail_blocked(p)
         elif msg.type == Type.NODE_FAILED:
             exc = NodeFailedError(self.failure_text(msg))
             self._fail_everything(exc)
@@ -189,14 +280,14 @@ class Server(Node):
         t = msg.type
         if t == Type.INIT:
             self._init(peer, rank, msg)
-        elif t in (Type.PUSH, Type.PULL, Type.ROW_PULL):
-            p = self._part(msg)
-            if p.value is None:
-                p.waiting.append(_Waiting(peer, msg))
-            elif t == Type.PUSH:
-                self._push(peer, rank, p, msg)
-            else:
-                self._pull(peer, rank, p, msg)
+        elif t == Type.PUSH and msg.flags & Flag.BATCH:
+            self._push_batch(peer, rank, msg)
+        elif t == Type.PUSH:
+            self._push_one(peer, rank, msg)
+        elif t == Type.PULL:
+            self._pull_batch(peer, msg)
+        elif t == Type.ROW_PULL:
+            self._row_pull(peer, msg)
         elif t == Type.SET_OPTIMIZER:
             self._set_optimizer(msg)
             self._reply(peer, msg.reply(Type.OK))
@@ -205,14 +296,26 @@ class Server(Node):
         elif t == Type.SET_STATES:
             self._set_states(msg)
             self._reply(peer, msg.reply(Type.OK))
+        elif t == Type.SHM_PROBE:
+            self._shm_probe(peer, rank, msg)
+        elif t == Type.HELLO:
+            self._reply(peer, msg.reply(Type.OK))
         else:
             raise ProtocolError(f"a server does not handle {t.name}")
 
-    def _part(self, msg: Message) -> _Part:
-        p = self.parts.get((msg.key, msg.part))
+    def _part(self, key: int, part: int) -> _Part:
+        p = self.parts.get((key, part))
         if p is None:
-            raise KeyNotInitializedError(f"key {msg.key} part {msg.part} was never initialised on {self.name}")
+            raise KeyNotInitializedError(f"key {key} part {part} was never initialised on {self.name}")
         return p
+
+    def _held(self, peer: str, msg: Message, parts: Iterable[_Part]) -> bool:
+        """Hold the request until worker 0's init value of every part has arrived."""
+        for p in parts:
+            if p.value is None:
+                p.waiting.append(_Wait(peer, msg))
+                return True
+        return False
 
     def _init(self, peer: str, rank: int, msg: Message) -> None:
         meta = msg.meta or {}
@@ -240,7 +343,8 @@ class Server(Node):
         if msg.frames:
             if rank != 0:
                 raise ProtocolError(f"key {name}: only worker 0 sends the init value")
-            p.value = frame_tensor(msg.frames[0], dtype, numel).clone().view(p.rows, row_numel)
+            p.value = self._storage(p)
+            p.value.view(-1).copy_(frame_tensor(msg.frames[0], dtype, numel))
             self._reply(peer, msg.reply(Type.OK))
             held, p.waiting = p.waiting, []
             for w in held:  # other workers' INITs are answered; their pushes and pulls run now
@@ -249,12 +353,104 @@ class Server(Node):
                 else:
                     self._dispatch(w.peer, w.msg)
         elif p.value is None:
-            p.waiting.append(_Waiting(peer, msg))
+            p.waiting.append(_Wait(peer, msg))
         else:
             self._reply(peer, msg.reply(Type.OK))
 
+    def _storage(self, p: _Part) -> Tensor:
+        """Room for a part's value: in shared memory (so pulls are answered with a header), else private."""
+        if not self.shm:
+            return torch.empty(p.rows, p.row_numel, dtype=p.dtype)
+        arena, offset = self.arenas.slot(p.nbytes)
+        p.slot = (arena.fd, offset)
+        return arena.tensor(offset, p.numel, p.dtype).view(p.rows, p.row_numel)
+
+    def _shm_probe(self, peer: str, rank: int, msg: Message) -> None:
+        """Map the worker's arena (checking its token) and tell it where ours is."""
+        meta = msg.meta or {}
+        if not self.shm:
+            raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
+        pid = self.workers[rank].get("pid")
+        if meta.get("pid") != pid:
+            raise ProtocolError(f"worker {rank} probed with pid {meta.get('pid')}, but registered pid {pid}")
+        self.maps.map(int(meta["pid"]), int(meta["fd"]), bytes.fromhex(str(meta["token"])))
+        arena = self.arenas.first()
+        self._reply(peer, msg.reply(Type.OK, meta={"pid": os.getpid(), "fd": arena.fd, "token": arena.token.hex()}))
+
+    # -- pushes -----------------------------------------------------------------------------------
+
+    def _push_batch(self, peer: str, rank: int, msg: Message) -> None:
+        """Dense pushes of many parts: ``(key, part, fd, offset, bytes)`` rows; fd -1: a payload frame."""
+        if not msg.frames:
+            raise ProtocolError("a batched push without its index")
+        rows = unpack_index(msg.frames[0], 5)
+        parts = [self._part(r[0], r[1]) for r in rows]
+        if self._held(peer, msg, parts):
+            return
+        payloads = iter(msg.frames[1:])
+        grads = []
+        for (_, _, fd, offset, nbytes), p in zip(rows, parts):  # check everything before applying anything
+            if nbytes != p.nbytes:
+                raise ProtocolError(f"{p}: a push of {nbytes} bytes, expected {p.nbytes}")
+            if fd >= 0:
+                if not self.shm:
+                    raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
+                g = self.maps.tensor(int(self.workers[rank]["pid"]), fd, offset, nbytes, p.dtype)
+            else:
+                frame = next(payloads, None)
+                if frame is None:
+                    raise ProtocolError(f"a batched push has fewer payload frames than parts ({len(rows)})")
+                g = frame_tensor(frame, p.dtype, p.numel)
+            grads.append(g.view(p.rows, p.row_numel))
+        if next(payloads, None) is not None:
+            raise ProtocolError("a batched push has more payload frames than parts")
+        self._check_push(rank, parts)
+        touched = []
+        for i, ((_, _, fd, _, _), p, g) in enumerate(zip(rows, parts, grads)):
+            w = _Wait(peer, msg, index=i)
+            if p.mode == "async":
+                assert p.value is not None
+                apply_push(self.optimizer, p.opt_key, g, p.value)
+                self.outbox.add(w)
+                continue
+            # a push in the worker's shared memory is acknowledged once merged: until then the
+            # worker must not reuse its slot; a push that came in a frame is ours already
+            p.queued.setdefault(rank, deque()).append((g, w if fd >= 0 else None))
+            if fd < 0:
+                self.outbox.add(w)
+            touched.append(p)
+        for p in touched:
+            self._complete_rounds(p)
+            self._fail_blocked(p)
+
+    def _check_push(self, rank: int, parts: Iterable[_Part]) -> None:
+        for p in parts:
+            if p.mode == "async" and self.optimizer is None:
+                raise OptimizerRequiredError(
+                    f"key {p.name}: dist_async applies pushes on the servers and needs an optimizer; call set_optimizer first"
+                )
+            if p.mode == "sync" and rank in self.left:
+                raise NodeFailedError(f"worker {rank} pushed after it finished")
+
+    def _push_one(self, peer: str, rank: int, msg: Message) -> None:
+        """One part, row-sparse (``Flag.SPARSE``) or compressed (``Flag.COMPRESSED``)."""
+        p = self._part(msg.key, msg.part)
+        if self._held(peer, msg, [p]):
+            return
+        grad = self._decode_push(p, msg)
+        self._check_push(rank, [p])
+        assert p.value is not None
+        if p.mode == "async":
+            apply_push(self.optimizer, p.opt_key, grad, p.value)
+        else:
+            p.queued.setdefault(rank, deque()).append((grad, None))
+        self._reply(peer, msg.reply(Type.OK))
+        if p.mode == "sync":
+            self._complete_rounds(p)
+            self._fail_blocked(p)
+
     def _decode_push(self, p: _Part, msg: Message) -> Tensor:
-        """The pushed gradient of ``p``: dense ``rows x row_numel`` or row-sparse of that shape."""
+        """The gradient of a single-part push: row-sparse or decoded, ``rows x row_numel``."""
         if msg.flags & Flag.SPARSE:
             if len(msg.frames) != 2:
                 raise ProtocolError(f"{p}: a sparse push has 2 frames, got {len(msg.frames)}")
@@ -269,83 +465,109 @@ class Server(Node):
                 raise ProtocolError(f"{p}: a compressed push without payload")
             total: Optional[Tensor] = None
             for frame in msg.frames:
-                wire = frame_tensor(frame, codec.wire_dtype, codec.wire_numel(p.numel))
-                dense = codec.decode(wire, p.numel, p.dtype)
+                dense = codec.decode(frame_tensor(frame, codec.wire_dtype, codec.wire_numel(p.numel)), p.numel, p.dtype)
                 total = dense if total is None else total.add_(dense)
             assert total is not None
             return total.view(p.rows, p.row_numel)
-        if len(msg.frames) != 1:
-            raise ProtocolError(f"{p}: a dense push has 1 frame, got {len(msg.frames)}")
-        return frame_tensor(msg.frames[0], p.dtype, p.numel).view(p.rows, p.row_numel)
-
-    def _push(self, peer: str, rank: int, p: _Part, msg: Message) -> None:
-        grad = self._decode_push(p, msg)
-        assert p.value is not None
-        if p.mode == "async":
-            if self.optimizer is None:
-                raise OptimizerRequiredError(
-                    f"key {p.name}: dist_async applies pushes on the servers and needs an optimizer; call set_optimizer first"
-                )
-            apply_push(self.optimizer, p.opt_key, grad, p.value)
-            self._reply(peer, msg.reply(Type.OK))
-            return
-        if rank in self.left:
-            raise NodeFailedError(f"worker {rank} pushed after it finished")
-        p.queued.setdefault(rank, deque()).append(grad)
-        self._reply(peer, msg.reply(Type.OK))
-        self._complete_rounds(p)
+        raise ProtocolError(f"{p}: a single-part push must be sparse or compressed (dense pushes come in batches)")
 
     def _complete_rounds(self, p: _Part) -> None:
         workers = range(len(self.workers))
         done = False
         while all(p.queued.get(r) for r in workers):
-            grads = [p.queued[r].popleft() for r in workers]
-            dense = [g for g in grads if not g.is_sparse]
-            if len(grads) == 1 or not dense:
-                merged = grads[0] if len(grads) == 1 else _sum_sparse(grads)
-            else:
-                merged = torch.add(dense[0], dense[1]) if len(dense) > 1 else dense[0].clone()
-                for g in dense[2:]:
-                    merged.add_(g)
-                for g in grads:
-                    if g.is_sparse:
-                        merged.add_(g)
-            assert p.value is not None
-            apply_push(self.optimizer, p.opt_key, merged, p.value)
+            entries = [p.queued[r].popleft() for r in workers]
+            self._merge_and_apply(p, [g for g, _ in entries])
+            for _, ack in entries:
+                if ack is not None:
+                    self.outbox.add(ack)
             p.rounds += 1
             done = True
         if done:
-            ready = [w for w in p.pulls if w.msg.a <= p.rounds]
-            p.pulls = [w for w in p.pulls if w.msg.a > p.rounds]
+            ready = [w for w in p.pulls if w.need <= p.rounds]
+            p.pulls = [w for w in p.pulls if w.need > p.rounds]
             for w in ready:
-                self._answer_pull(w.peer, p, w.msg)
+                self._answer(p, w)
 
-    def _pull(self, peer: str, rank: int, p: _Part, msg: Message) -> None:
-        if p.mode == "async" or msg.a <= p.rounds:
-            self._answer_pull(peer, p, msg)
+    def _merge_and_apply(self, p: _Part, grads: list[Tensor]) -> None:
+        """Sum one push of every worker and apply it to the value (the optimizer or assignment)."""
+        assert p.value is not None
+        if any(g.is_sparse for g in grads):
+            dense = [g for g in grads if not g.is_sparse]
+            merged = _sum_sparse(grads) if not dense else torch.stack([g.to_dense() if g.is_sparse else g for g in grads]).sum(0)
+            apply_push(self.optimizer, p.opt_key, merged, p.value)
             return
-        w = _Waiting(peer, msg)
+        if self.optimizer is None:  # the sum replaces the value: make it there, in one pass
+            _sum_into(p.value, grads)
+            return
+        if len(grads) == 1:
+            merged = grads[0]  # the optimizer only reads its gradient
+        else:
+            if p.scratch is None:
+                p.scratch = torch.empty_like(p.value)
+            merged = _sum_into(p.scratch, grads)
+        apply_push(self.optimizer, p.opt_key, merged, p.value)
+
+    # -- pulls ------------------------------------------------------------------------------------
+
+    def _pull_batch(self, peer: str, msg: Message) -> None:
+        """Pulls of many parts: ``(key, part, round, shm)`` rows."""
+        if not msg.flags & Flag.BATCH or not msg.frames:
+            raise ProtocolError("pulls come in batches, with an index")
+        rows = unpack_index(msg.frames[0], 4)
+        parts = [self._part(r[0], r[1]) for r in rows]
+        if self._held(peer, msg, parts):
+            return
+        for (_, _, need, _), p in zip(rows, parts):
+            blocker = None if p.mode == "async" or need <= p.rounds else self._blocker(p, need)
+            if blocker:
+                raise NodeFailedError(blocker)
+        for i, ((_, _, need, want_shm), p) in enumerate(zip(rows, parts)):
+            w = _Wait(peer, msg, index=i, need=need, shm=bool(want_shm))
+            if p.mode == "async" or need <= p.rounds:
+                self._answer(p, w)
+            else:
+                p.pulls.append(w)
+
+    def _row_pull(self, peer: str, msg: Message) -> None:
+        p = self._part(msg.key, msg.part)
+        if self._held(peer, msg, [p]):
+            return
+        if len(msg.frames) != 1:
+            raise ProtocolError(f"{p}: ROW_PULL carries one frame of row ids")
+        w = _Wait(peer, msg, need=msg.a)
+        if p.mode == "async" or msg.a <= p.rounds:
+            self._answer(p, w)
+            return
         blocker = self._blocker(p, msg.a)
         if blocker:
             raise NodeFailedError(blocker)
         p.pulls.append(w)
 
-    def _answer_pull(self, peer: str, p: _Part, msg: Message) -> None:
+    def _answer(self, p: _Part, w: _Wait) -> None:
         assert p.value is not None
-        if msg.type == Type.ROW_PULL:
-            if len(msg.frames) != 1:
-                raise ProtocolError(f"{p}: ROW_PULL carries one frame of row ids")
-            rows = frame_tensor(msg.frames[0], torch.int64)
+        if w.msg.type == Type.ROW_PULL:
+            rows = frame_tensor(w.msg.frames[0], torch.int64)
             if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= p.rows):
-                raise ProtocolError(f"{p}: row ids outside [0, {p.rows})")
-            data = p.value.index_select(0, rows)
+                self._fail_request(w.peer, w.msg, ProtocolError(f"{p}: row ids outside [0, {p.rows})"))
+                return
+            self._reply(w.peer, w.msg.reply(Type.DATA, frames=[tensor_frame(p.value.index_select(0, rows))]))
+        elif p.mode == "sync" and w.shm and p.slot is not None:
+            # the worker copies the value out of our shared memory; it cannot change before this
+            # worker pushes again, which it does only after it has read it
+            self.outbox.add(w, p.slot[0], p.slot[1], p.nbytes)
         else:
             # sync: the value cannot change before this worker pushes again, which it does only
             # after this reply has arrived, so it is sent without a copy; async: a snapshot
             data = p.value.clone() if p.mode == "async" else p.value
-        self._reply(peer, msg.reply(Type.DATA, frames=[tensor_frame(data)]))
+            self.outbox.add(w, -1, 0, p.nbytes, tensor_frame(data))
 
     # -- rounds that cannot complete ------------------------------------------------------------
+
+    def _reachable(self, p: _Part) -> Optional[int]:
+        """How many rounds ``p`` can still complete when workers have left (None: no limit)."""
+        if not self.left:
+            return None
+        return p.rounds + min(len(p.queued.get(r, ())) for r in self.left)
 
     def _blocker(self, p: _Part, need: int) -> Optional[str]:
         """Why round ``need`` of ``p`` can never complete (a worker finished), or None."""
@@ -355,51 +577,50 @@ class Server(Node):
         who = ", ".join(f"worker {r}" for r in missing)
         return f"{who} finished (closed its store) without pushing key {p.name} for round {need - 1}; the round can never complete"
 
-    def _fail_blocked_pulls(self, p: _Part) -> None:
-        keep = []
-        for w in p.pulls:
-            blocker = self._blocker(p, w.msg.a)
-            if blocker:
-                self._reply(w.peer, error_reply(w.msg, NodeFailedError(blocker)))
-            else:
-                keep.append(w)
-        p.pulls = keep
+    def _fail_blocked(self, p: _Part) -> None:
+        """Fail every pull and queued push of ``p`` that waits for a round that can never come."""
+        limit = self._reachable(p)
+        if limit is None:
+            return
+        for w in [w for w in p.pulls if w.need > limit]:
+            self._fail_request(w.peer, w.msg, NodeFailedError(self._blocker(p, w.need) or "the round can never complete"))
+        for q in p.queued.values():
+            while len(q) > limit - p.rounds:
+                _, ack = q.pop()
+                if ack is not None:
+                    need = p.rounds + len(q) + 1
+                    self._fail_request(ack.peer, ack.msg, NodeFailedError(self._blocker(p, need) or "the round can never complete"))
 
     def _sweep(self, now: float) -> None:
-        for p in self.parts.values():
-            keep = []
-            for w in p.pulls:
-                if now - w.since > self.timeout:
-                    need = w.msg.a
-                    missing = [r for r in range(len(self.workers)) if len(p.queued.get(r, ())) < need - p.rounds]
-                    got = [r for r in range(len(self.workers)) if r not in missing]
-                    exc = DeadlineExceeded(
-                        f"{self.name}: the pull of key {p.name} (part {p.part}) waited {now - w.since:.0f} s "
-                        f"(PSKV_TIMEOUT={self.timeout:g}) for round {need - 1}: workers {missing} have not pushed "
-                        f"key {p.name} in that round (pushed: {got})"
-                    )
-                    self._reply(w.peer, error_reply(w.msg, exc))
-                else:
-                    keep.append(w)
-            p.pulls = keep
-            held = []
-            for w in p.waiting:
-                if now - w.since > self.timeout:
-                    exc = DeadlineExceeded(
-                        f"{self.name}: key {p.name} (part {p.part}) has no value after {now - w.since:.0f} s "
-                        f"(PSKV_TIMEOUT={self.timeout:g}): worker 0 sends the init value and has not; "
-                        f"workers that called init: {sorted(p.declared)}"
-                    )
-                    self._reply(w.peer, error_reply(w.msg, exc))
-                else:
-                    held.append(w)
-            p.waiting = held
+        for p in list(self.parts.values()):
+            for w in [w for w in p.pulls if now - w.since > self.timeout]:
+                missing = [r for r in range(len(self.workers)) if len(p.queued.get(r, ())) < w.need - p.rounds]
+                got = [r for r in range(len(self.workers)) if r not in missing]
+                exc = DeadlineExceeded(
+                    f"{self.name}: the pull of key {p.name} (part {p.part}) waited {now - w.since:.0f} s "
+                    f"(PSKV_TIMEOUT={self.timeout:g}) for round {w.need - 1}: workers {missing} have not pushed "
+                    f"key {p.name} in that round (pushed: {got})"
+                )
+                self._fail_request(w.peer, w.msg, exc)
+            for w in [w for w in p.waiting if now - w.since > self.timeout]:
+                exc = DeadlineExceeded(
+                    f"{self.name}: key {p.name} (part {p.part}) has no value after {now - w.since:.0f} s "
+                    f"(PSKV_TIMEOUT={self.timeout:g}): worker 0 sends the init value and has not; "
+                    f"workers that called init: {sorted(p.declared)}"
+                )
+                self._fail_request(w.peer, w.msg, exc)
 
     def _fail_everything(self, exc: Exception) -> None:
+        victims: dict[tuple[str, int], _Wait] = {}
         for p in self.parts.values():
-            for w in p.pulls + p.waiting:
-                self._reply(w.peer, error_reply(w.msg, exc))
+            acks = [ack for q in p.queued.values() for _, ack in q if ack is not None]
+            for w in [*p.pulls, *p.waiting, *acks]:
+                victims.setdefault(w.request, w)
             p.pulls, p.waiting = [], []
+            p.queued.clear()
+        for w in victims.values():
+            self.outbox.drop(w.request)
+            self._reply(w.peer, error_reply(w.msg, exc))
 
     # -- optimizer ------------------------------------------------------------------------------
 
@@ -464,7 +685,18 @@ class Server(Node):
         self.optimizer.num_update = max(self.optimizer.num_update, int(meta.get("num_update", 0)))
 
 
+def _sum_into(out: Tensor, grads: list[Tensor]) -> Tensor:
+    """``out = sum(grads)`` without temporaries."""
+    if len(grads) == 1:
+        out.copy_(grads[0])
+    else:
+        torch.add(grads[0], grads[1], out=out)
+        for g in grads[2:]:
+            out.add_(g)
+    return out
+
+
 def _sum_sparse(grads: list[Tensor]) -> Tensor:
-    idx = torch.cat([g.indices() for g in grads], dim=1)
-    val = torch.cat([g.values() for g in grads], dim=0)
+    idx = torch.cat([g._indices() for g in grads], dim=1)
+    val = torch.cat([g._values() for g in grads], dim=0)
     return torch.sparse_coo_tensor(idx, val, grads[0].shape, check_invariants=False).coalesce()

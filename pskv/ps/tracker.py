@@ -14,19 +14,21 @@ from collections.abc import Callable, Iterable
 from typing import Optional
 
 from ..errors import DeadlineExceeded, PSKVError
-from .message import Message, Type
+from .message import Flag, Message, Type, unpack_index
 from .postoffice import raise_error_reply
 
 OnReply = Callable[[Message], None]
+_INDEX_COLS = 4  # answers to batched requests index their parts as (entry, fd, offset, bytes)
 
 
 class Request:
     """One outstanding request. ``done`` is set when answered or failed."""
 
-    __slots__ = ("deadline", "done", "error", "on_reply", "peer", "req_id", "waited", "what")
+    __slots__ = ("deadline", "done", "error", "on_reply", "peer", "remaining", "req_id", "waited", "what")
 
-    def __init__(self, req_id: int, what: str, peer: str, on_reply: Optional[OnReply], deadline: float, waited: bool):
+    def __init__(self, req_id: int, what: str, peer: str, on_reply: Optional[OnReply], deadline: float, waited: bool, entries: int = 1):
         self.req_id = req_id
+        self.remaining = entries  # a batched request is answered part by part
         self.what = what
         self.peer = peer
         self.on_reply = on_reply
@@ -46,9 +48,10 @@ class Tracker:
         self._next = 1
         self.deferred: list[BaseException] = []  # errors of requests nobody waits for
 
-    def open(self, what: str, peer: str, on_reply: Optional[OnReply] = None, waited: bool = True) -> Request:
+    def open(self, what: str, peer: str, on_reply: Optional[OnReply] = None, waited: bool = True, entries: int = 1) -> Request:
+        """A new request; a batched one (``entries`` parts) completes when every part is answered."""
         with self._lock:
-            req = Request(self._next, what, peer, on_reply, time.monotonic() + self.timeout, waited)
+            req = Request(self._next, what, peer, on_reply, time.monotonic() + self.timeout, waited, entries)
             self._next += 1
             self._open[req.req_id] = req
             return req
@@ -58,20 +61,34 @@ class Tracker:
             return len(self._open)
 
     def answer(self, msg: Message) -> None:
-        """Close the request ``msg`` answers (I/O thread). Unknown ids are ignored."""
+        """Handle an answer to an open request (I/O thread). Unknown ids are ignored.
+
+        A batched answer (``Flag.BATCH``) covers some parts of its request; the request completes
+        when all are answered. An ERROR fails the whole request.
+        """
         with self._lock:
-            req = self._open.pop(msg.req_id, None)
-        if req is None:
-            return
+            req = self._open.get(msg.req_id)
+            if req is None:
+                return
+            parts = len(unpack_index(msg.frames[0], _INDEX_COLS)) if msg.flags & Flag.BATCH and msg.type != Type.ERROR and msg.frames else req.remaining
+            req.remaining -= parts
+            if req.remaining <= 0 or msg.type == Type.ERROR:
+                del self._open[msg.req_id]
+                last = True
+            else:
+                last = False
         try:
             if msg.type == Type.ERROR:
                 raise_error_reply(msg, f"{req.what}: ")
             if req.on_reply is not None:
                 req.on_reply(msg)
         except BaseException as exc:
+            with self._lock:
+                self._open.pop(msg.req_id, None)
             self._finish(req, exc)
             return
-        self._finish(req, None)
+        if last:
+            self._finish(req, None)
 
     def _finish(self, req: Request, exc: Optional[BaseException]) -> None:
         req.error = exc
@@ -112,7 +129,11 @@ class Tracker:
         """Block until every request is answered; raise the first error among them."""
         first: Optional[BaseException] = None
         for r in reqs:
-            while not r.done.wait(1.0):
+            while not r.done.wait(0.25):
+                # a push that failed on a server may be why this answer is not coming: say so now
+                late = self.take_deferred()
+                if late is not None:
+                    raise late
                 if time.monotonic() > r.deadline + 5.0:  # the I/O thread is gone; do not hang
                     raise DeadlineExceeded(f"{r.what}: no answer from {r.peer} and the I/O thread stopped expiring requests")
             if r.error is not None and first is None:

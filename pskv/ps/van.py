@@ -40,8 +40,14 @@ class Van(ABC):
         """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint."""
 
     @abstractmethod
-    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None) -> None:
-        """Open a connection named ``peer`` to ``endpoint``; ``identity`` is how the peer sees us."""
+    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None, receive: bool = True) -> None:
+        """Open a connection named ``peer`` to ``endpoint``.
+
+        ``identity`` is how the peer sees us (made unique when it has no ``/``). A connection
+        with ``receive=False`` is only sent on, and may be used by a thread other than the
+        van's owner (one at a time): a worker's calling thread sends requests on one, while
+        the answers come back on another connection, which the I/O thread polls.
+        """
 
     @abstractmethod
     def send(self, peer: str, msg: Message) -> None:
@@ -111,16 +117,17 @@ class ZmqVan(Van):
         bound = sock.getsockopt(zmq.LAST_ENDPOINT)
         return bound.decode() if isinstance(bound, bytes) else str(bound)
 
-    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None) -> None:
+    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None, receive: bool = True) -> None:
         if peer in self._dealers:
             raise RuntimeError(f"already connected to {peer}")
         sock = self._socket(zmq.DEALER)
-        ident = f"{identity or 'node'}/{uuid.uuid4().hex[:12]}"
+        ident = identity if identity and "/" in identity else f"{identity or 'node'}/{uuid.uuid4().hex[:12]}"
         sock.setsockopt(zmq.IDENTITY, ident.encode())
         sock.connect(endpoint)
         self._dealers[peer] = sock
         self._names[sock] = peer
-        self._poller.register(sock, zmq.POLLIN)
+        if receive:
+            self._poller.register(sock, zmq.POLLIN)
 
     def send(self, peer: str, msg: Message) -> None:
         frames = encode(msg)

@@ -159,6 +159,22 @@ def test_optimizer_states_through_the_servers(inproc_job: Job, tmp_path: Any) ->
     assert torch.all(saved["keys"][0]["tensors"]["momentum_buffer"] == 2.0)
 
 
+def test_allgather_returns_every_workers_value_by_rank(inproc_job: Job) -> None:
+    job = inproc_job(3, 1)
+
+    def body(kv: KVStore) -> list[Any]:
+        first = kv.allgather({"rank": kv.rank, "loss": 0.5 * kv.rank})
+        kv.barrier()  # an ordinary barrier in between carries nothing
+        second = kv.allgather(kv.rank * 10)
+        with pytest.raises(pskv.InvalidValueError, match="JSON values"):
+            kv.allgather(torch.ones(1))
+        return [first, second]
+
+    want = [[{"rank": r, "loss": 0.5 * r} for r in range(3)], [0, 10, 20]]
+    assert job.run_workers(body) == [want] * 3
+    assert pskv.kv.create().allgather([1, 2]) == [[1, 2]]
+
+
 def test_row_sparse_over_split_keys(inproc_job: Job) -> None:
     job = inproc_job(2, 2)
 
