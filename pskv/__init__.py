@@ -34,22 +34,36 @@ from .errors import (
     ShapeMismatchError,
     SparseError,
     StoreClosedError,
+    TrainerError,
     ValueCountError,
 )
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from . import compression, kv, optim
+    from . import compression, data, kv, models, optim
+    from .data import split_and_load
+    from .trainer import Trainer
 
-_LAZY = {"kv": "pskv.kv", "optim": "pskv.optim", "compression": "pskv.compression"}
+# name -> (module, attribute or None for the module itself)
+_LAZY = {
+    "compression": ("pskv.compression", None),
+    "data": ("pskv.data", None),
+    "kv": ("pskv.kv", None),
+    "models": ("pskv.models", None),
+    "optim": ("pskv.optim", None),
+    "split_and_load": ("pskv.data", "split_and_load"),
+    "Trainer": ("pskv.trainer", "Trainer"),
+}
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        module = importlib.import_module(_LAZY[name])
-        globals()[name] = module
-        return module
+        module_name, attr = _LAZY[name]
+        module = importlib.import_module(module_name)
+        value = module if attr is None else getattr(module, attr)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module 'pskv' has no attribute {name!r}")
 
 
@@ -72,9 +86,14 @@ __all__ = [
     "ShapeMismatchError",
     "SparseError",
     "StoreClosedError",
+    "Trainer",
+    "TrainerError",
     "ValueCountError",
     "__version__",
     "compression",
+    "data",
     "kv",
+    "models",
     "optim",
+    "split_and_load",
 ]

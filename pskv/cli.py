@@ -73,9 +73,15 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "train":  # its own argument parser (it re-runs itself as the workers)
+        from .train import main as train_main
+
+        return train_main(argv[1:])
     parser = argparse.ArgumentParser(prog="pskv", description="Parameter-server training for PyTorch.")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     _launch_parser(sub)
+    sub.add_parser("train", help="train ResNet-18 with several workers and servers (see pskv train --help)", add_help=False)
     sub.add_parser(
         "serve",
         help="run the scheduler or a server as DMLC_ROLE says",

@@ -16,6 +16,7 @@
     │   └── StoreClosedError          a call after ``close()``
     ├── OptimizerError                unknown optimizer or bad hyperparameter (also ``ValueError``)
     ├── CompressionError              bad gradient-compression parameters (also ``ValueError``)
+    ├── TrainerError                  a Trainer given parameters or settings it cannot use
     ├── ClusterError                  the distributed system could not do what was asked
     │   ├── DeadlineExceeded          a blocking call ran past ``PSKV_TIMEOUT`` (also ``TimeoutError``)
     │   ├── NodeFailedError           a scheduler/server/worker died or left
@@ -83,6 +84,10 @@ class OptimizerError(PSKVError, ValueError):
 
 class CompressionError(PSKVError, ValueError):
     """Invalid gradient-compression parameters."""
+
+
+class TrainerError(PSKVError, ValueError):
+    """A Trainer given parameters or settings it cannot use (e.g. allreduce_grads with update_on_kvstore)."""
 
 
 class ClusterError(PSKVError):

@@ -396,6 +396,16 @@ class Optimizer:
             raise OptimizerError(f"learning_rate must be a number >= 0, got {lr!r}")
         self._hyper["learning_rate"] = float(lr)
 
+    @property
+    def rescale_grad(self) -> float:
+        return float(self._hyper["rescale_grad"])
+
+    def set_rescale_grad(self, scale: float) -> None:
+        """Set the factor every gradient is multiplied by (the Trainer sets ``1 / batch_size``)."""
+        if not _is_number(scale):
+            raise OptimizerError(f"rescale_grad must be a finite number, got {scale!r}")
+        self._hyper["rescale_grad"] = float(scale)
+
     # -- the update ----------------------------------------------------------------------------
 
     def update(self, key: int, grad: Tensor, weight: Tensor) -> None:

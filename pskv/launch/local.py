@@ -41,7 +41,7 @@ def worker_threads(num_workers: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // max(1, num_workers)))
 
 
-def start_scheduler(ctx: ProcessContext, env: Mapping[str, str], timeout: float) -> tuple[Proc, int]:
+def start_scheduler(ctx: ProcessContext, env: Mapping[str, str], timeout: float, show: str = "prefix") -> tuple[Proc, int]:
     """Start the scheduler on a port of its choosing; the process and that port."""
     read_fd, write_fd = os.pipe()
     try:
@@ -51,6 +51,7 @@ def start_scheduler(ctx: ProcessContext, env: Mapping[str, str], timeout: float)
             SERVE,
             {**env, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_PORT": "0", "PSKV_PORT_FD": str(write_fd)},
             pass_fds=(write_fd,),
+            show=show,
         )
     finally:
         os.close(write_fd)
@@ -123,8 +124,13 @@ def launch_local(
     extra_env: Optional[Mapping[str, str]] = None,
     role_extra: Optional[Mapping[str, Mapping[str, str]]] = None,
     timeout: Optional[float] = None,
+    quiet: bool = False,
 ) -> int:
-    """Run the job on this machine; the exit status (0 when every worker succeeded)."""
+    """Run the job on this machine; the exit status (0 when every worker succeeded).
+
+    ``quiet``: show worker 0's output as it is and keep the others' for the failure report
+    (what ``pskv train`` started by hand does); otherwise every line is shown, prefixed.
+    """
     if num_workers < 1 or num_servers < 0:
         raise LaunchError(f"need at least one worker and no negative server count, got -n {num_workers} -s {num_servers}")
     if not command:
@@ -136,16 +142,22 @@ def launch_local(
     try:
         helpers: list[Proc] = []
         if num_servers:
-            sched, port = start_scheduler(ctx, env, config.start_timeout())
+            sched, port = start_scheduler(ctx, env, config.start_timeout(), show="tail" if quiet else "prefix")
             env["DMLC_PS_ROOT_PORT"] = str(port)
             helpers.append(sched)
             for s in range(num_servers):
                 senv = {**role_env(env, "server", s, num_workers, 0), **role_extra.get("server", {})}
-                helpers.append(ctx.start(f"server {s}", "server", SERVE, senv))
+                helpers.append(ctx.start(f"server {s}", "server", SERVE, senv, show="tail" if quiet else "prefix"))
         master = free_port()
         argv = command_argv(command)
         workers = [
-            ctx.start(f"worker {w}", "worker", argv, {**role_env(env, "worker", w, num_workers, master), **role_extra.get("worker", {})})
+            ctx.start(
+                f"worker {w}",
+                "worker",
+                argv,
+                {**role_env(env, "worker", w, num_workers, master), **role_extra.get("worker", {})},
+                show=("raw" if w == 0 else "tail") if quiet else "prefix",
+            )
             for w in range(num_workers)
         ]
         return ctx.wait(workers, helpers, finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)

@@ -55,13 +55,12 @@ class ProcessContext:
 
     TAIL = 20
 
-    def __init__(self, grace: float = 5.0, stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None, prefix: bool = True):
+    def __init__(self, grace: float = 5.0, stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None):
         self.grace = grace
         self.procs: list[Proc] = []
         self._out = stdout or sys.stdout
         self._err = stderr or sys.stderr
         self._lock = threading.Lock()
-        self._prefix = prefix
 
     def start(
         self,
@@ -71,8 +70,15 @@ class ProcessContext:
         env: Mapping[str, str],
         pass_fds: Sequence[int] = (),
         cwd: Optional[str] = None,
+        show: str = "prefix",
     ) -> Proc:
-        """Start ``argv`` in a new process group with ``env``; its output is streamed, prefixed."""
+        """Start ``argv`` in a new process group with ``env``.
+
+        ``show``: ``"prefix"`` streams its output with ``[name] `` before every line, ``"raw"``
+        streams it as it is, ``"tail"`` keeps only the last lines for the failure report.
+        """
+        if show not in ("prefix", "raw", "tail"):
+            raise ValueError(f"show must be prefix, raw or tail, got {show!r}")
         popen = subprocess.Popen(
             list(argv),
             env=dict(env),
@@ -86,19 +92,19 @@ class ProcessContext:
         proc = Proc(name, role, popen)
         assert popen.stdout is not None and popen.stderr is not None
         for pipe, sink in ((popen.stdout, self._out), (popen.stderr, self._err)):
-            t = threading.Thread(target=self._pump, args=(proc, pipe, sink), daemon=True, name=f"pskv-out-{name}")
+            t = threading.Thread(target=self._pump, args=(proc, pipe, sink, show), daemon=True, name=f"pskv-out-{name}")
             t.start()
             proc.readers.append(t)
         self.procs.append(proc)
         return proc
 
-    def _pump(self, proc: Proc, pipe: IO[bytes], sink: IO[str]) -> None:
+    def _pump(self, proc: Proc, pipe: IO[bytes], sink: IO[str], show: str) -> None:
         """Copy ``pipe`` to ``sink`` line by line, each line prefixed with ``[name] ``.
 
         Only whole lines (ended by \\n, or \\r for progress bars) are written, so lines of
         different processes never mix; a last unterminated line is written at EOF.
         """
-        tag = f"[{proc.name}] " if self._prefix else ""
+        tag = f"[{proc.name}] " if show == "prefix" else ""
         pending = ""
         fd = pipe.fileno()
         while True:
@@ -113,7 +119,10 @@ class ProcessContext:
             else:
                 lines = [pending + "\n"] if pending else []
                 pending = ""
-            if lines:
+            if lines and show == "tail":
+                proc.tail.extend(line.rstrip("\r\n") for line in lines if line.strip())
+                del proc.tail[: -self.TAIL]
+            elif lines:
                 for line in lines:
                     stripped = line.rstrip("\r\n")
                     if stripped:

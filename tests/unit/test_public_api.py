@@ -26,11 +26,16 @@ EXPECTED = [
     "ShapeMismatchError",
     "SparseError",
     "StoreClosedError",
+    "Trainer",
+    "TrainerError",
     "ValueCountError",
     "__version__",
     "compression",
+    "data",
     "kv",
+    "models",
     "optim",
+    "split_and_load",
 ]
 
 

@@ -1,0 +1,284 @@
+"""pskv.Trainer against SPEC.md section 6 and against plain torch.optim training."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import pskv
+from pskv.kv import KVStore
+
+Job = Callable[..., Any]
+
+
+def _ones_param(n: int = 3) -> nn.Parameter:
+    return nn.Parameter(torch.ones(n))
+
+
+# -- the formula of SPEC.md section 6 -------------------------------------------------------------
+
+
+def test_one_process_one_device() -> None:
+    p = _ones_param()
+    tr = pskv.Trainer([p], "sgd", {"learning_rate": 1.0})
+    assert tr.kvstore is None and not tr.update_on_kvstore  # local, one device: no store at all
+    p.grad = torch.ones(3)
+    tr.step(1)
+    assert torch.equal(p.detach(), torch.zeros(3))
+
+
+@pytest.mark.parametrize("store", ["local", "device"])
+@pytest.mark.parametrize("update_on_kvstore", [None, False])
+def test_device_replicas_are_summed(store: str, update_on_kvstore: Any) -> None:
+    reps = [_ones_param() for _ in range(3)]
+    reps[1].data.fill_(7.0)  # replicas start from replica 0's weights
+    tr = pskv.Trainer([[p] for p in reps], "sgd", {"learning_rate": 1.0}, kvstore=store, update_on_kvstore=update_on_kvstore)
+    assert all(torch.equal(p.detach(), torch.ones(3)) for p in reps)
+    for d, p in enumerate(reps):
+        p.grad = torch.full((3,), d + 1.0)
+    tr.step(1)
+    for p in reps:
+        assert torch.equal(p.detach(), torch.full((3,), 1.0 - 6.0))
+
+
+@pytest.mark.parametrize("update_on_kvstore", [None, False])
+def test_three_workers_two_servers(inproc_job: Job, update_on_kvstore: Any) -> None:
+    job = inproc_job(3, 2)
+
+    def body(kv: KVStore) -> list[float]:
+        w = _ones_param(5)
+        big = nn.Parameter(torch.ones(1200, 1000))
+        tr = pskv.Trainer([w, big], "sgd", {"learning_rate": 1.0}, kvstore=kv, update_on_kvstore=update_on_kvstore)
+        assert tr.update_on_kvstore is (update_on_kvstore is None)
+        w.grad = torch.full((5,), kv.rank + 1.0)
+        big.grad = torch.full((1200, 1000), kv.rank + 1.0)
+        tr.step(1)
+        return [w[0].item(), big[-1, -1].item()]
+
+    W = 3
+    assert job.run_workers(body) == [[1.0 - W * (W + 1) / 2] * 2] * W
+
+
+def test_batch_size_scales_the_sum(inproc_job: Job) -> None:
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> float:
+        w = _ones_param(2)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 0.5}, kvstore=kv)
+        for batch in (4, 8):  # the scale changes between steps and reaches the servers
+            w.grad = torch.full((2,), 8.0)
+            tr.step(batch)
+        return w[0].item()
+
+    # step 1: sum 16 / 4 = 4 -> 1 - 2 = -1; step 2: 16 / 8 = 2 -> -1 - 1 = -2
+    assert job.run_workers(body) == [-2.0, -2.0]
+
+
+# -- same numbers as torch.optim --------------------------------------------------------------------
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _batches(n: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def _reference(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y, reduction="sum").backward()
+        for p in net.parameters():
+            assert p.grad is not None
+            p.grad /= len(x)
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
+@pytest.mark.parametrize(("store", "uok"), [("device", None), ("local", True), ("local", False)])
+def test_training_matches_torch_optim(store: str, uok: Any) -> None:
+    batches = _batches()
+    net = _net()
+    tr = pskv.Trainer(net.named_parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, kvstore=store, update_on_kvstore=uok)
+    for x, y in batches:
+        net.zero_grad()
+        nn.functional.cross_entropy(net(x), y, reduction="sum").backward()
+        tr.step(len(x))
+    for mine, ref in zip(net.parameters(), _reference(batches)):
+        torch.testing.assert_close(mine.detach(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_two_replicas_with_split_batches_match_one_device() -> None:
+    """seed 004: split_and_load each batch over replicas; the sum of the halves' grads is the whole's."""
+    batches = _batches()
+    nets = [_net(), _net()]
+    tr = pskv.Trainer([n.parameters() for n in nets], "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}, kvstore="device")
+    devices = [torch.device("cpu"), torch.device("cpu")]
+    for x, y in batches:
+        for n in nets:
+            n.zero_grad()
+        for n, xs, ys in zip(nets, pskv.split_and_load(x, devices), pskv.split_and_load(y, devices)):
+            nn.functional.cross_entropy(n(xs), ys, reduction="sum").backward()
+        tr.step(len(x))
+    ref = _reference(batches)
+    for n in nets:
+        for mine, want in zip(n.parameters(), ref):
+            torch.testing.assert_close(mine.detach(), want, rtol=1e-5, atol=1e-6)
+
+
+# -- parameters --------------------------------------------------------------------------------------
+
+
+def test_named_shared_and_frozen_parameters() -> None:
+    lin = nn.Linear(3, 3)
+    net = nn.Sequential(lin, nn.ReLU(), lin)  # the same layer twice: trained once
+    frozen = nn.Linear(3, 1)
+    frozen.requires_grad_(False)
+    net.append(frozen)
+    kv = pskv.kv.create("local")
+    tr = pskv.Trainer(net.named_parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+    assert tr._keys == ["0.weight", "0.bias"]
+    assert sorted(k for k in kv._keys) == ["0.bias", "0.weight"]
+
+
+def test_stale_gradients() -> None:
+    a, b = _ones_param(), _ones_param()
+    tr = pskv.Trainer([a, b], "sgd", {"learning_rate": 1.0}, kvstore="local", update_on_kvstore=True)
+    a.grad = torch.ones(3)
+    with pytest.raises(pskv.TrainerError, match=r"parameter 1 .* has no gradient"):
+        tr.step(1)
+    tr.step(1, ignore_stale_grad=True)
+    assert torch.equal(a.detach(), torch.zeros(3)) and torch.equal(b.detach(), torch.ones(3))
+
+
+def test_misuse_is_a_clear_error(inproc_job: Job) -> None:
+    p = _ones_param()
+    tr = pskv.Trainer([p], "sgd", {"learning_rate": 1.0}, kvstore="local", update_on_kvstore=True)
+    with pytest.raises(pskv.TrainerError, match=r"allreduce_grads\(\) needs update_on_kvstore=False"):
+        tr.allreduce_grads()
+    with pytest.raises(pskv.TrainerError, match=r"update\(\) needs update_on_kvstore=False"):
+        tr.update(1)
+    with pytest.raises(pskv.TrainerError, match="batch_size must be a positive number"):
+        tr.step(0)
+    with pytest.raises(pskv.TrainerError, match="no parameters"):
+        pskv.Trainer([], "sgd")
+    with pytest.raises(pskv.TrainerError, match="frozen"):
+        pskv.Trainer([torch.ones(2)], "sgd")
+    with pytest.raises(pskv.OptimizerError, match="did you mean 'learning_rate'"):
+        pskv.Trainer([_ones_param()], "sgd", {"lr": 0.1})
+    job = inproc_job(1, 1)
+    with job.worker("dist_async") as kv, pytest.raises(pskv.TrainerError, match="dist_async applies updates on the servers"):
+        pskv.Trainer([_ones_param()], "sgd", kvstore=kv, update_on_kvstore=False)
+
+
+def test_allreduce_then_update() -> None:
+    reps = [_ones_param(), _ones_param()]
+    tr = pskv.Trainer([[p] for p in reps], "sgd", {"learning_rate": 0.5}, kvstore="local", update_on_kvstore=False)
+    reps[0].grad, reps[1].grad = torch.ones(3), torch.full((3,), 3.0)
+    tr.allreduce_grads()
+    assert all(torch.equal(p.grad, torch.full((3,), 4.0)) for p in reps if p.grad is not None)
+    tr.update(2)
+    assert all(torch.equal(p.detach(), torch.zeros(3)) for p in reps)  # 1 - 0.5 * 4 / 2
+
+
+# -- learning rate and states ---------------------------------------------------------------------
+
+
+def test_learning_rate_schedule_and_set(inproc_job: Job) -> None:
+    job = inproc_job(1, 1)
+    with job.worker() as kv:
+        p = _ones_param(1)
+        sched = {"name": "step", "step": 2, "factor": 0.1}
+        tr = pskv.Trainer([p], "sgd", {"learning_rate": 1.0, "lr_scheduler": sched}, kvstore=kv)
+        lrs = []
+        for _ in range(3):
+            lrs.append(tr.learning_rate)
+            p.grad = torch.ones(1)
+            tr.step(1)
+        assert lrs == pytest.approx([1.0, 1.0, 0.1])
+        assert p.item() == pytest.approx(1 - 1 - 1 - 0.1)
+        tr.set_learning_rate(10.0)  # reaches the servers: 10 * 0.1 for update 4
+        p.grad = torch.ones(1)
+        tr.step(1)
+        assert p.item() == pytest.approx(-1.1 - 1.0)
+
+
+@pytest.mark.parametrize("store", [None, "device", "dist_sync"])
+def test_save_and_load_states_resume_exactly(store: Any, inproc_job: Job, tmp_path: Path) -> None:
+    def store_for() -> Any:
+        if store == "dist_sync":
+            return inproc_job(1, 2).worker()
+        return pskv.kv.create(store) if store else None
+
+    def trainer(net: nn.Module, kv: Any) -> pskv.Trainer:
+        return pskv.Trainer(net.parameters(), "adam", {"learning_rate": 0.01}, kvstore=kv, update_on_kvstore=True if kv else None)
+
+    def run(net: nn.Module, tr: pskv.Trainer, batches: list[Any]) -> None:
+        for x, y in batches:
+            net.zero_grad()
+            nn.functional.cross_entropy(net(x), y).backward()
+            tr.step(1)
+
+    batches = _batches(6)
+    kv1, kv2 = store_for(), store_for()
+    straight = _net()
+    tr1 = trainer(straight, kv1)
+    run(straight, tr1, batches[:3])
+    tr1.save_states(tmp_path / "states")
+    snapshot = copy.deepcopy(straight.state_dict())
+    run(straight, tr1, batches[3:])
+
+    resumed = _net()
+    resumed.load_state_dict(snapshot)  # before the Trainer: its store starts from these weights
+    tr2 = trainer(resumed, kv2)
+    tr2.load_states(tmp_path / "states")
+    run(resumed, tr2, batches[3:])
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for kv in (kv1, kv2):
+        if kv is not None:
+            kv.close()
+
+
+def test_compression_with_a_dist_store(inproc_job: Job) -> None:
+    """MXNet's Trainer could not combine a dist store with gradient compression; pskv's can."""
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> float:
+        p = nn.Parameter(torch.zeros(4))
+        tr = pskv.Trainer([p], "sgd", {"learning_rate": 1.0}, kvstore=kv, compression_params={"type": "2bit", "threshold": 0.5})
+        p.grad = torch.full((4,), 0.3)
+        tr.step(1)  # residual 0.3 < 0.5: nothing sent
+        first = p[0].item()
+        p.grad = torch.full((4,), 0.3)
+        tr.step(1)  # residual 0.6: 0.5 sent by each worker -> -1.0
+        return first * 100 + p[0].item()
+
+    assert job.run_workers(body) == [-1.0, -1.0]
+
+
+def test_batchnorm_statistics_stay_per_worker(inproc_job: Job) -> None:
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> tuple[list[float], float]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv)
+        x = torch.randn(8, 4) + 10 * kv.rank  # each worker its own data
+        net(x).sum().backward()
+        tr.step(8)
+        return [float(v) for v in net[0].weight.detach().flatten()[:3]], float(net[1].running_mean[0])
+
+    (w0, m0), (w1, m1) = job.run_workers(body)
+    assert w0 == w1  # parameters synchronised
+    assert m0 != m1  # running statistics are not
