@@ -29,8 +29,11 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
+# extra options for the demo, e.g. make demo DEMO_ARGS="--epochs 8"
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(VENV)/bin/pskv train --report demo/report.json --plot demo/training.png
+	$(VENV)/bin/pskv train --report demo/report.json --plot demo/training.png $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

@@ -243,3 +243,42 @@ def test_heartbeats_name_a_dead_server_without_the_launcher(tmp_path: Path) -> N
                 p.send_signal(signal.SIGCONT)
                 p.kill()
             p.communicate()  # reaps it and closes its pipes
+
+
+def test_trainer_formula_three_workers_two_servers(tmp_path: Path) -> None:
+    """SPEC.md section 6: weights of ones, grads rank+1, sgd(learning_rate=1), step(1) -> 1 - W(W+1)/2."""
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    W = kv.num_workers
+    small, big = torch.nn.Parameter(torch.ones(7)), torch.nn.Parameter(torch.ones(1200, 1000))
+    trainer = pskv.Trainer([small, big], "sgd", {"learning_rate": 1.0}, kvstore=kv)
+    for step in range(2):
+        small.grad = torch.full((7,), kv.rank + 1.0)
+        big.grad = torch.full((1200, 1000), kv.rank + 1.0)
+        trainer.step(1)
+        want = 1 - W * (W + 1) / 2 * (step + 1)
+        assert torch.all(small == want) and torch.all(big == want), (step, small[0].item(), big[0, 0].item(), want)
+    print("trainer ok", small[0].item())
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 2)
+    assert res.code == 0 and res.stdout.count("trainer ok -11.0") == 3, res
+
+
+def test_pskv_train_as_the_workers_program_with_two_devices_each(tmp_path: Path) -> None:
+    import json
+    import sys
+
+    from .jobs import run
+
+    report = tmp_path / "report.json"
+    argv = [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "1", "--", sys.executable, "-m", "pskv", "train",
+            "--model", "small_cnn", "--dataset", "synthetic", "--image-size", "16", "--epochs", "2",
+            "--devices", "cpu,cpu", "--no-progress", "--report", str(report)]  # fmt: skip
+    res = run(argv, timeout=200)
+    assert res.code == 0, res
+    assert "[worker 0] epoch 2, loss" in res.stdout and "[worker 1] epoch" not in res.stdout, res
+    data = json.loads(report.read_text())
+    assert data["workers"] == 2 and data["servers"] == 1 and data["devices"] == ["cpu", "cpu"]
+    assert data["epochs"][1]["loss"] < data["epochs"][0]["loss"], data["epochs"]
