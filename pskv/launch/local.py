@@ -41,17 +41,29 @@ def worker_threads(num_workers: int) -> str:
     return str(max(1, (os.cpu_count() or 1) // max(1, num_workers)))
 
 
-def start_scheduler(ctx: ProcessContext, env: Mapping[str, str], timeout: float, show: str = "prefix") -> tuple[Proc, int]:
-    """Start the scheduler on a port of its choosing; the process and that port."""
+def start_scheduler(
+    ctx: ProcessContext,
+    env: Mapping[str, str],
+    timeout: float,
+    show: str = "prefix",
+    argv: Sequence[str] = SERVE,
+    stdin: str = "devnull",
+) -> tuple[Proc, int]:
+    """Start the scheduler on a port of its choosing; the process and that port.
+
+    ``argv`` runs ``pskv serve`` (the cluster launchers wrap it in ``pskv.launch.guard``,
+    which passes the port pipe on); ``stdin`` as for :meth:`ProcessContext.start`.
+    """
     read_fd, write_fd = os.pipe()
     try:
         proc = ctx.start(
             "scheduler",
             "scheduler",
-            SERVE,
+            argv,
             {**env, "DMLC_ROLE": "scheduler", "DMLC_PS_ROOT_PORT": "0", "PSKV_PORT_FD": str(write_fd)},
             pass_fds=(write_fd,),
             show=show,
+            stdin=stdin,
         )
     finally:
         os.close(write_fd)
@@ -125,11 +137,13 @@ def launch_local(
     role_extra: Optional[Mapping[str, Mapping[str, str]]] = None,
     timeout: Optional[float] = None,
     quiet: bool = False,
+    peak_rss_mb: Optional[dict[str, float]] = None,
 ) -> int:
     """Run the job on this machine; the exit status (0 when every worker succeeded).
 
     ``quiet``: show worker 0's output as it is and keep the others' for the failure report
     (what ``pskv train`` started by hand does); otherwise every line is shown, prefixed.
+    ``peak_rss_mb``, if given, receives every process's peak resident memory by name.
     """
     if num_workers < 1 or num_servers < 0:
         raise LaunchError(f"need at least one worker and no negative server count, got -n {num_workers} -s {num_servers}")
@@ -160,7 +174,10 @@ def launch_local(
             )
             for w in range(num_workers)
         ]
-        return ctx.wait(workers, helpers, finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)
+        status = ctx.wait(workers, helpers, finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)
+        if peak_rss_mb is not None:
+            peak_rss_mb.update({p.name: p.peak_rss_mb for p in ctx.procs})
+        return status
     except LaunchError:
         ctx.stop_all()
         raise
@@ -171,7 +188,7 @@ def launch_local(
         stop.restore()
 
 
-class _StopOnSignal:
+class _StopOnSignal:  # also used by the cluster launchers (common.supervise)
     """Ctrl-C or SIGTERM to the launcher stops the whole job."""
 
     def __init__(self, ctx: ProcessContext):

@@ -59,6 +59,7 @@ def test_failing_worker_status_is_the_launchers_and_the_rest_stop(tmp_path: Path
     import os, sys, time
     print("pid", os.getpid(), flush=True)
     if os.environ["DMLC_WORKER_ID"] == "1":
+        time.sleep(2)  # let every worker print its pid before the job is stopped
         print("worker 1 gives up", file=sys.stderr, flush=True)
         sys.exit(3)
     time.sleep(120)

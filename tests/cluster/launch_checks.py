@@ -1,0 +1,137 @@
+"""What the cluster-launcher tests share: the job every launcher runs, and "nothing left" checks.
+
+The job is 3 workers and 2 servers; each worker checks the dist semantics numerically (small
+and split 1200x1200 arrays, without and with server-side sgd) and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Optional
+
+from .daemons import alive, find_processes
+from .jobs import JobResult
+
+WORKERS, SERVERS = 3, 2
+
+FORMULAS = """\
+import os, sys, torch, pskv
+kv = pskv.kv.create("dist_sync")
+W, r = kv.num_workers, kv.rank
+assert W == int(sys.argv[1]) and kv.num_servers == int(sys.argv[2]), (W, kv.num_servers)
+assert os.environ["DMLC_WORKER_ID"] == str(r), (os.environ["DMLC_WORKER_ID"], r)
+env = [os.environ.get(k, "-") for k in ("ALL", "ONLY_W", "ONLY_S", "DMLC_ROLE", "RANK", "WORLD_SIZE")]
+print("env", r, os.getcwd(), *env, flush=True)
+tri = W * (W + 1) / 2
+shapes = {"small": (5, 3), "split": (1200, 1200)}
+for name, shape in shapes.items():          # no optimizer: the merged sum replaces the value
+    kv.init(name, torch.ones(shape))
+    grad = torch.full(shape, r + 1.0)
+    out = torch.empty(shape)
+    for i in range(2):
+        kv.push(name, grad)
+        kv.pull(name, out)
+        assert torch.all(out == tri), (name, i, out.flatten()[:4])
+kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, rescale_grad=0.5))
+for name, shape in shapes.items():          # server-side sgd: 1 - lr*r*W(W+1)/2*(i+1)
+    key = "opt-" + name
+    kv.init(key, torch.ones(shape))
+    grad = torch.full(shape, r + 1.0)
+    out = torch.empty(shape)
+    for i in range(3):
+        kv.pushpull(key, grad, out=out)
+        want = 1 - 0.1 * 0.5 * tri * (i + 1)
+        assert torch.allclose(out, torch.full(shape, want)), (key, i, out.flatten()[:4], want)
+print(f"rank {r}: formulas ok", flush=True)
+kv.close()
+"""
+
+# worker 1 fails after a second; the others would run for two minutes
+CRASH = """\
+import os, sys, time
+print("pid", os.getpid(), flush=True)
+if os.environ["DMLC_WORKER_ID"] == "1":
+    time.sleep(1)
+    print("worker 1 gives up", file=sys.stderr, flush=True)
+    sys.exit(3)
+time.sleep(120)
+"""
+
+# every worker sleeps until stopped
+SLEEP = """\
+import os, time
+print("pid", os.getpid(), flush=True)
+time.sleep(300)
+"""
+
+
+def write_project(directory: Path) -> Path:
+    """A project directory holding the three job scripts (the launcher's working directory)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in (("formulas.py", FORMULAS), ("crash.py", CRASH), ("sleep.py", SLEEP)):
+        (directory / name).write_text(text)
+    return directory
+
+
+def marker() -> dict[str, str]:
+    """A variable unique to one test, given to every process of its job with --env."""
+    return {"PSKV_TEST_MARKER": uuid.uuid4().hex}
+
+
+def marker_args(mark: dict[str, str]) -> list[str]:
+    return [a for k, v in mark.items() for a in ("--env", f"{k}:{v}")]
+
+
+def formulas_args(python: str = sys.executable) -> list[str]:
+    return ["--", python, "formulas.py", str(WORKERS), str(SERVERS)]
+
+
+def env_args() -> list[str]:
+    """--env for all, --env-worker, --env-server (PSKV_VERBOSE: servers then log their start)."""
+    return ["--env", "ALL:a", "--env-worker", "ONLY_W:w", "--env-server", "ONLY_S:s", "--env-server", "PSKV_VERBOSE:1"]
+
+
+def check_formulas(res: JobResult, host: Optional[Sequence[str]] = None, server_host: Optional[Sequence[str]] = None) -> None:
+    """Every worker passed, saw its environment, and only the servers got --env-server.
+
+    Output lines are tagged ``[worker 1]``, or ``[worker 1@HOST]`` with ``host[1]`` (ssh)."""
+    assert res.code == 0, res
+    for w in range(WORKERS):
+        tag = f"[worker {w}@{host[w]}]" if host else f"[worker {w}]"
+        assert f"{tag} rank {w}: formulas ok" in res.stdout, res
+        env_line = next((line for line in res.stdout.splitlines() if line.startswith(f"{tag} env {w} ")), "")
+        assert env_line.split()[-6:] == ["a", "w", "-", "worker", str(w), str(WORKERS)], res
+    out = res.stdout + res.stderr
+    for s in range(SERVERS):
+        tag = f"[server {s}@{server_host[s]}]" if server_host else f"[server {s}]"
+        assert f"{tag} pskv server {s}: serving on tcp://" in out, res
+    assert "pskv scheduler:" not in out and "pskv worker" not in out, res
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(line.split()[-1]) for line in text.splitlines() if " pid " in f" {line}"]
+
+
+def wait_gone(
+    mark: dict[str, str],
+    pids: Sequence[int] = (),
+    timeout: float = 20.0,
+    cwd_under: Optional[Path] = None,
+    cmdline_contains: Optional[str] = None,
+) -> list[int]:
+    """PIDs still alive after ``timeout``: processes with the marker, the listed ones, and those
+    whose working directory is under ``cwd_under`` or whose command line holds ``cmdline_contains``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = set(find_processes(environ=mark)) | {p for p in pids if alive(p)}
+        if cwd_under is not None:
+            left |= set(find_processes(cwd_under=cwd_under))
+        if cmdline_contains is not None:
+            left |= set(find_processes(cmdline_contains=cmdline_contains))
+        if not left or time.monotonic() > deadline:
+            return sorted(left)
+        time.sleep(0.2)

@@ -1,0 +1,36 @@
+"""pskv bench: a real run against gloo, checked values, and the JSON fields the docs rely on."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from .jobs import run
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_bench_compares_with_gloo_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", "3", "-n", "2", "-s", "2", "--rounds", "4",
+               "--warmup", "1", "--compare", "gloo", "--json", str(out)], timeout=200)  # fmt: skip
+    assert res.code == 0, res
+    assert "ratio pskv / gloo:" in res.stdout and "shared memory" in res.stdout, res
+    data = json.loads(out.read_text())
+    assert (data["workers"], data["servers"], data["arrays"]) == (2, 2, 1)
+    assert data["bytes"] == 750_000 * 4
+    assert data["pskv_round_s"] > 0 and data["gloo_round_s"] > 0
+    assert data["ratio"] == pytest.approx(data["pskv_round_s"] / data["gloo_round_s"])
+    assert set(data["pskv_peak_rss_mb"]) == {"scheduler", "server 0", "server 1", "worker 0", "worker 1"}
+    assert all(mb > 10 for mb in data["pskv_peak_rss_mb"].values())
+
+
+def test_bench_over_tcp_and_a_bad_size(tmp_path: Path) -> None:
+    res = run([sys.executable, "-m", "pskv", "bench", "--model", "resnet18", "-n", "1", "-s", "1", "--rounds", "2", "--warmup", "1"],
+              timeout=200, env={"PSKV_SHM": "0"})  # fmt: skip
+    assert res.code == 0 and "(TCP)" in res.stdout and "44.7 MB" in res.stdout, res
+    res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", "-1"], timeout=60)
+    assert res.code == 2 and "--size-mb must be positive" in res.stderr, res

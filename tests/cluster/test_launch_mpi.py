@@ -1,0 +1,61 @@
+"""``pskv launch --launcher mpi`` with Debian's Open MPI ``mpirun`` on 127.0.0.1.
+
+The hostfile is ``localhost slots=5``; :func:`~tests.cluster.daemons.mpi_env` lets mpirun run as
+root and keeps its traffic on the loopback interface.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from .daemons import mpi_available, mpi_env
+from .jobs import run
+from .launch_checks import (
+    check_formulas,
+    env_args,
+    formulas_args,
+    marker,
+    marker_args,
+    pids_in,
+    wait_gone,
+    write_project,
+)
+
+pytestmark = pytest.mark.skipif(
+    not mpi_available(), reason="Open MPI's mpirun not installed (run scripts/install-cluster-deps.sh mpi)"
+)
+
+
+def mpi_launch(tmp: Path, extra: list[str]) -> list[str]:
+    hostfile = tmp / "hosts"
+    hostfile.write_text("localhost slots=5   # every process on this machine\n")
+    return [
+        sys.executable, "-m", "pskv", "launch", "--launcher", "mpi", "-n", "3", "-s", "2",
+        "-H", str(hostfile), "--python", sys.executable, *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_three_workers_two_servers_under_mpirun(tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    argv = mpi_launch(tmp_path, [*env_args(), *marker_args(mark), *formulas_args()])
+    res = run(argv, timeout=240, cwd=project, env=mpi_env())
+    check_formulas(res)
+    assert wait_gone(mark) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_crashing_worker_ends_the_mpi_job(tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    res = run(mpi_launch(tmp_path, [*marker_args(mark), "--", sys.executable, "crash.py"]), timeout=120, cwd=project, env=mpi_env())
+    assert res.code == 3, res
+    assert "pskv launch: mpirun exited with status 3 ([worker 1] pskv guard: worker 1 failed: " in res.stderr, res
+    assert "[worker 1] worker 1 gives up" in res.stderr, res
+    pids = pids_in(res.stdout)
+    assert len(pids) == 3, res
+    assert wait_gone(mark, pids, cwd_under=project) == []

@@ -1,0 +1,121 @@
+"""``pskv launch --launcher slurm`` on a one-node Slurm (slurmctld + slurmd) the test starts.
+
+Inside an allocation (``salloc ... pskv launch``) the launcher runs one ``srun`` step per role;
+outside it submits a batch script with ``sbatch --wait`` that runs the same launcher inside the
+job. This machine has fewer CPUs than the job has processes, hence ``--overcommit``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .daemons import Slurm, slurm, slurm_available
+from .jobs import REPO, run
+from .launch_checks import (
+    check_formulas,
+    env_args,
+    formulas_args,
+    marker,
+    marker_args,
+    pids_in,
+    wait_gone,
+    write_project,
+)
+
+pytestmark = pytest.mark.skipif(
+    not (slurm_available() and os.geteuid() == 0),
+    reason="Slurm not installed (run scripts/install-cluster-deps.sh slurm)" if not slurm_available() else "slurmd needs root",
+)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Slurm]:
+    with slurm(tmp_path_factory.mktemp("slurm")) as c:
+        yield c
+
+
+def launch_argv(*extra: str) -> list[str]:
+    return [sys.executable, "-m", "pskv", "launch", "--launcher", "slurm", "--python", sys.executable, *extra]
+
+
+@pytest.mark.timeout(300)
+def test_srun_steps_inside_salloc(cluster: Slurm, tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    argv = ["salloc", "--overcommit", "-N1", "-n5", *launch_argv("-n", "3", "-s", "2", *env_args(), *marker_args(mark), *formulas_args())]
+    res = run(argv, timeout=240, cwd=project, env=cluster.env())
+    check_formulas(res)
+    assert wait_gone(mark) == []
+    assert cluster.job_ids() == []
+
+
+@pytest.mark.timeout(300)
+def test_sbatch_submission_streams_the_job_output(cluster: Slurm, tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    argv = launch_argv("-n", "3", "-s", "2", "--launcher-args=--overcommit", *env_args(), *marker_args(mark), *formulas_args())
+    res = run(argv, timeout=240, cwd=project, env=cluster.env())
+    check_formulas(res)
+    assert "pskv launch: submitted Slurm job " in res.stderr, res
+    assert not list(project.glob(".pskv-slurm-*")), "the batch script and output are removed after success"
+    assert wait_gone(mark) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_crashing_worker_ends_the_steps(cluster: Slurm, tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    argv = ["salloc", "--overcommit", "-N1", "-n4", *launch_argv("-n", "3", "-s", "1", *marker_args(mark), "--", sys.executable, "crash.py")]
+    res = run(argv, timeout=120, cwd=project, env=cluster.env())
+    assert res.code == 3, res
+    assert "pskv launch: srun workers exited with status " in res.stderr, res
+    assert "([worker 1] pskv guard: worker 1 failed: " in res.stderr, res
+    pids = pids_in(res.stdout)
+    assert len(pids) == 3, res
+    assert wait_gone(mark, pids, cwd_under=project) == []
+
+
+@pytest.mark.timeout(180)
+def test_ctrl_c_cancels_the_submitted_job(cluster: Slurm, tmp_path: Path) -> None:
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    launcher = subprocess.Popen(
+        launch_argv("-n", "2", "-s", "1", "--launcher-args=--overcommit", *marker_args(mark), "--", sys.executable, "sleep.py"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**cluster.env(), "PYTHONPATH": str(REPO)},
+        cwd=project,
+        start_new_session=True,
+    )
+    try:
+        assert launcher.stdout is not None
+        pids: list[int] = []
+        deadline = time.monotonic() + 90
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if not line:
+                break
+            pids += pids_in(line)
+        assert len(pids) == 2, pids
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=60)
+        assert launcher.returncode == 130, err
+        assert "pskv launch: cancelled Slurm job " in err, err
+        assert wait_gone(mark, pids, cwd_under=project) == []
+        deadline = time.monotonic() + 30
+        while cluster.job_ids() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cluster.job_ids() == []
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
