@@ -21,7 +21,9 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -31,7 +33,7 @@ from .. import config, errors
 from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
-from ..ps import shm
+from ..ps import shm, trace
 from ..ps.client import WorkerClient
 from ..ps.message import Flag, Message, Type, dtype_name, frame_tensor, pack_index, tensor_frame, unpack_index
 from ..ps.partition import Part, place
@@ -62,12 +64,14 @@ def _close_at_exit(ref: weakref.ReferenceType[DistStore]) -> None:
 class _Batch:
     """The dense parts of one push call bound for one server."""
 
-    __slots__ = ("frames", "rows", "slots")
+    __slots__ = ("borrowed", "frames", "nbytes", "rows", "slots")
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, int, int, int, int]] = []  # key, part, fd (-1: a frame), offset, bytes
         self.frames: list[Any] = []
-        self.slots: list[tuple[int, int]] = []
+        self.slots: list[tuple[int, int]] = []  # parts whose shared slot this batch uses
+        self.nbytes = 0
+        self.borrowed = False  # some frames point into the caller's tensors
 
 
 class DistStore(KVStore):
@@ -79,10 +83,12 @@ class DistStore(KVStore):
         self._on_device = type_name == "dist_device_sync"
         self._client = WorkerClient(env)
         self._client.start()
+        trace.start(f"worker-{self._client.rank}")
         self._bound = config.bigarray_bound()
         self._parts: dict[int, list[Part]] = {}
         self._pushes: dict[tuple[int, int], int] = {}
         self._chunk = config.chunk_bytes()
+        self._batch = config.batch_bytes()
         self._arenas = shm.Arenas()
         self._maps = shm.Mappings()
         self._slots: dict[tuple[int, int], tuple[shm.Arena, int, Tensor]] = {}  # part -> its push slot
@@ -174,7 +180,9 @@ class DistStore(KVStore):
             raise errors.OptimizerRequiredError(
                 "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
             )
-        batches: dict[int, _Batch] = {}  # server -> the dense parts for it: one message each
+        trace.event("push starts")
+        batches: dict[int, _Batch] = {}  # server -> the dense parts for it not sent yet
+        sent: list[Callable[[float], bool]] = []  # frames that point into the caller's tensors
         for meta, values in items:
             comp = self._compressor
             if comp is not None and not any(v.is_sparse for v in values):
@@ -184,47 +192,67 @@ class DistStore(KVStore):
                 for p in self._parts[meta.id]:
                     self._send_push(meta, p, self._sparse_frames(meta, p, merged), Flag.SPARSE, None, priority)
             else:
-                self._push_dense(meta, values, batches)
-        for server, b in batches.items():
-            msg = Message(Type.PUSH, flags=Flag.BATCH, frames=[pack_index(b.rows, 5), *b.frames])
-            what = f"push of {len(b.rows)} parts"
-            if server in self._shm_servers:  # only headers travel, straight from this thread
-                req = self._client.send_now(server, msg, what, waited=False, entries=len(b.rows))
-            else:
-                req = self._client.submit(f"server {server}", msg, what, priority=priority, waited=False, wake=False, entries=len(b.rows))
-            for where in b.slots:
-                self._last_shm_push[where] = req
+                self._push_dense(meta, values, batches, sent)
+        for server in list(batches):
+            self._send_batch(server, batches.pop(server), sent)
         self._client.flush()
+        trace.event("push copied and sent")
+        # the caller may change its tensors once push returns: wait until zmq has the bytes
+        deadline = time.monotonic() + self._client.tracker.timeout
+        for wait in sent:
+            while not wait(0.25):
+                self._client.check()
+                if time.monotonic() > deadline:
+                    raise errors.DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
 
-    def _push_dense(self, meta: KeyMeta, values: list[Tensor], batches: dict[int, _Batch]) -> None:
-        """Add ``meta``'s parts to the per-server batches: summed into shared slots, or as frames."""
+    def _send_batch(self, server: int, b: _Batch, sent: list[Callable[[float], bool]]) -> None:
+        """One message with the parts of ``b``: headers of shared slots, or frames."""
+        msg = Message(Type.PUSH, flags=Flag.BATCH, frames=[pack_index(b.rows, 5), *b.frames])
+        what = f"push of {len(b.rows)} parts"
+        req = self._client.send_now(server, msg, what, waited=False, entries=len(b.rows), sent=sent if b.borrowed else None)
+        for where in b.slots:
+            self._last_shm_push[where] = req
+
+    def _push_dense(self, meta: KeyMeta, values: list[Tensor], batches: dict[int, _Batch], sent: list[Callable[[float], bool]]) -> None:
+        """Add ``meta``'s parts to the per-server batches (summed into shared slots, or as frames),
+        sending a server's batch whenever it holds ``PSKV_BATCH_BYTES``."""
         if self._on_device and len(values) > 1 and values[0].device.type != "cpu":
             values = [reduce_values(values, values[0].device)]  # sum on the device, copy once
         flats = [v.detach().reshape(-1) for v in values]
         merged: Optional[Tensor] = None
+        # one contiguous CPU tensor goes on the wire as it is: no copy (push waits until sent)
+        borrow = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
         for p in self._parts[meta.id]:
             where = (meta.id, p.index)
             b = batches.setdefault(p.server, _Batch())
             nbytes = p.numel * meta.dtype.itemsize
             self._pushes[where] = self._pushes.get(where, 0) + 1
             if p.server not in self._shm_servers:  # a server elsewhere: the bytes go in a frame
-                if merged is None:
-                    merged = reduce_values(values, torch.device("cpu")).reshape(-1)
+                if borrow:
+                    frame = flats[0][p.start : p.stop]
+                    b.borrowed = True
+                else:
+                    if merged is None:
+                        merged = reduce_values(values, torch.device("cpu")).reshape(-1)
+                    frame = merged[p.start : p.stop]
                 b.rows.append((meta.id, p.index, -1, 0, nbytes))
-                b.frames.append(tensor_frame(merged[p.start : p.stop]))
-                continue
-            earlier = self._last_shm_push.get(where)
-            if earlier is not None and not earlier.done.is_set():
-                self._client.wait([earlier])  # the server still reads the slot (its round is open)
-            if where not in self._slots:
-                arena, offset = self._arenas.slot(nbytes)
-                self._slots[where] = (arena, offset, arena.tensor(offset, p.numel, meta.dtype))
-            arena, offset, slot = self._slots[where]
-            slot.copy_(flats[0][p.start : p.stop])
-            for f in flats[1:]:
-                slot.add_(f[p.start : p.stop].to("cpu"))
-            b.rows.append((meta.id, p.index, arena.fd, offset, nbytes))
-            b.slots.append(where)
+                b.frames.append(tensor_frame(frame))
+            else:
+                earlier = self._last_shm_push.get(where)
+                if earlier is not None and not earlier.done.is_set():
+                    self._client.wait([earlier])  # the server still reads the slot (its round is open)
+                if where not in self._slots:
+                    arena, offset = self._arenas.slot(nbytes)
+                    self._slots[where] = (arena, offset, arena.tensor(offset, p.numel, meta.dtype))
+                arena, offset, slot = self._slots[where]
+                slot.copy_(flats[0][p.start : p.stop])
+                for f in flats[1:]:
+                    slot.add_(f[p.start : p.stop].to("cpu"))
+                b.rows.append((meta.id, p.index, arena.fd, offset, nbytes))
+                b.slots.append(where)
+            b.nbytes += nbytes
+            if b.nbytes >= self._batch:
+                self._send_batch(p.server, batches.pop(p.server), sent)
 
     def _sparse_frames(self, meta: KeyMeta, p: Part, merged: Tensor) -> list[Any]:
         row_numel = max(1, meta.row_numel)
@@ -275,7 +303,9 @@ class DistStore(KVStore):
             else:  # bytes on the wire: queued by priority
                 reqs.append(self._client.submit(f"server {server}", msg, what, fill, priority, wake=False, entries=len(server_rows)))
         self._client.flush()
+        trace.event("pull sent")
         self._client.wait(reqs)
+        trace.event("pull complete")
         for buf, outs in copies:
             for o in outs:
                 o.copy_(buf.to_sparse(1) if o.is_sparse else buf)

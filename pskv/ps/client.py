@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Optional
 
 from .. import config
@@ -67,12 +68,20 @@ class WorkerClient(Node):
         self.wait(hellos)  # now every server can route answers to this worker
 
     def send_now(
-        self, server: int, msg: Message, what: str, on_reply: Optional[OnReply] = None, waited: bool = True, entries: int = 1
+        self,
+        server: int,
+        msg: Message,
+        what: str,
+        on_reply: Optional[OnReply] = None,
+        waited: bool = True,
+        entries: int = 1,
+        sent: Optional[list[Callable[[float], bool]]] = None,
     ) -> Request:
         """Send a request to ``server`` from the calling thread (no queue, no wake-up).
 
         For the data path: one calling thread at a time (the store's lock). The answer arrives
-        on the I/O thread, which runs ``on_reply``.
+        on the I/O thread, which runs ``on_reply``. With ``sent``, a ``wait(timeout)`` is appended
+        to it that tells when the payload buffers may be reused.
         """
         if self._stop:
             raise StoreClosedError("the store's connection to the job is closed")
@@ -81,7 +90,9 @@ class WorkerClient(Node):
         req = self.tracker.open(what, f"server {server}", on_reply, waited, entries)
         msg.req_id = req.req_id
         try:
-            self.van.send(f"server {server}/tx", msg)
+            waiter = self.van.send(f"server {server}/tx", msg, track=sent is not None)
+            if sent is not None and waiter is not None:
+                sent.append(waiter)
         except PeerUnreachable as exc:
             self.tracker.fail(req.req_id, exc)
         return req

@@ -51,7 +51,7 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..optim import KeyState, Optimizer, apply_push
-from . import shm
+from . import shm, trace
 from .message import (
     Flag,
     Message,
@@ -187,6 +187,7 @@ class Server(Node):
         if not self.env.inproc:
             torch.set_num_threads(server_threads())
         self.say(f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers)")
+        trace.start(f"server-{self.rank}")
         backlog = self.early
         self.early = []
         try:
@@ -212,8 +213,11 @@ class Server(Node):
         return self.status
 
     def _flush(self) -> None:
-        for peer, msg in self.outbox.take():
+        out = self.outbox.take()
+        for peer, msg in out:
             self._reply(peer, msg)
+        if out:
+            trace.event(f"answered {len(out)} requests")
 
     def _dispatch(self, peer: str, msg: Message | ProtocolError) -> None:
         if isinstance(msg, ProtocolError):
@@ -384,6 +388,7 @@ class Server(Node):
         if not msg.frames:
             raise ProtocolError("a batched push without its index")
         rows = unpack_index(msg.frames[0], 5)
+        trace.event(f"push of {len(rows)} parts from worker {rank} arrives")
         parts = [self._part(r[0], r[1]) for r in rows]
         if self._held(peer, msg, parts):
             return
@@ -422,6 +427,7 @@ class Server(Node):
         for p in touched:
             self._complete_rounds(p)
             self._fail_blocked(p)
+        trace.event(f"push from worker {rank} merged where complete")
 
     def _check_push(self, rank: int, parts: Iterable[_Part]) -> None:
         for p in parts:

@@ -18,6 +18,7 @@ import contextlib
 import os
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Optional, Union
 
 import zmq
@@ -50,10 +51,12 @@ class Van(ABC):
         """
 
     @abstractmethod
-    def send(self, peer: str, msg: Message) -> None:
+    def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
         """Queue ``msg`` for ``peer`` and return; payload buffers must stay unchanged until sent.
 
-        Never blocks: a peer that cannot take the message raises :class:`PeerUnreachable`.
+        Never blocks: a peer that cannot take the message raises :class:`PeerUnreachable`. With
+        ``track``, returns ``wait(timeout) -> bool``, true once the payload buffers are no
+        longer needed (the bytes are with the kernel), so the caller may reuse them.
         """
 
     @abstractmethod
@@ -129,17 +132,29 @@ class ZmqVan(Van):
         if receive:
             self._poller.register(sock, zmq.POLLIN)
 
-    def send(self, peer: str, msg: Message) -> None:
+    def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
         frames = encode(msg)
         try:
             if peer.startswith("client:"):
                 if self._router is None:
                     raise RuntimeError("no listening socket to reply on")
-                self._router.send_multipart([bytes.fromhex(peer[7:]), *frames], zmq.NOBLOCK, copy=False)
+                tracker = self._router.send_multipart([bytes.fromhex(peer[7:]), *frames], zmq.NOBLOCK, copy=False, track=track)
             else:
-                self._dealers[peer].send_multipart(frames, zmq.NOBLOCK, copy=False)
+                tracker = self._dealers[peer].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
         except zmq.Again:
             raise PeerUnreachable(f"{peer} has no live connection; {msg.type.name} was not sent") from None
+        if not track or tracker is None:
+            return None
+        done = tracker
+
+        def wait(timeout: float) -> bool:
+            try:
+                done.wait(timeout)
+            except zmq.NotDone:
+                return False
+            return True
+
+        return wait
 
     def recv(self, timeout: float) -> list[Received]:
         out: list[Received] = []

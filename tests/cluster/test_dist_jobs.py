@@ -282,3 +282,41 @@ def test_pskv_train_as_the_workers_program_with_two_devices_each(tmp_path: Path)
     data = json.loads(report.read_text())
     assert data["workers"] == 2 and data["servers"] == 1 and data["devices"] == ["cpu", "cpu"]
     assert data["epochs"][1]["loss"] < data["epochs"][0]["loss"], data["epochs"]
+
+
+def test_every_role_can_run_the_users_script(tmp_path: Path) -> None:
+    """MXNet style: the same command for every role; kv.create serves and exits in a server/scheduler."""
+    import os
+    import subprocess
+    import sys
+
+    from pskv.launch.local import free_port
+
+    script = tmp_path / "same.py"
+    script.write_text(
+        "import torch, pskv\n"
+        "kv = pskv.kv.create('dist_sync')\n"  # servers and the scheduler serve here, then exit 0
+        "kv.init('w', torch.zeros(3))\n"
+        "kv.push('w', torch.ones(3) * (kv.rank + 1))\n"
+        "out = torch.empty(3)\n"
+        "kv.pull('w', out)\n"
+        "print('worker', kv.rank, 'pulled', out.tolist(), flush=True)\n"
+    )
+    base = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1"}  # fmt: skip
+    roles = ["scheduler", "server", "worker", "worker"]
+    procs = [
+        subprocess.Popen([sys.executable, str(script)], env={**base, "DMLC_ROLE": r}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in roles
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outs
+    printed = sorted(o for o, _ in outs[2:])
+    assert printed == ["worker 0 pulled [3.0, 3.0, 3.0]\n", "worker 1 pulled [3.0, 3.0, 3.0]\n"], outs
+    assert outs[0][0] == "" and outs[1][0] == ""  # the serving roles never reached the user's code

@@ -110,6 +110,16 @@ def test_pushed_tensor_is_never_modified_and_can_be_pushed_again(kv: KVStore) ->
     assert torch.equal(pulled(kv, "w", grad), torch.full((3,), -1.0))
 
 
+def test_push_takes_the_value_at_call_time(kv: KVStore) -> None:
+    """The caller may reuse a pushed tensor as soon as push returns (dist: TCP frames are sent
+    without a copy, so push waits until the bytes are handed over)."""
+    kv.init("w", torch.zeros(1100, 1000))
+    g = torch.full((1100, 1000), 2.0)
+    kv.push("w", g)
+    g.fill_(100.0)
+    assert torch.equal(pulled(kv, "w", g), torch.full((1100, 1000), 2.0))
+
+
 def test_pushpull_writes_back_into_value_or_out(kv: KVStore) -> None:
     kv.init(0, torch.zeros(3))
     v = [torch.ones(3), torch.full((3,), 2.0)]
