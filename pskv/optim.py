@@ -80,6 +80,7 @@ class _Rule:
     state: Callable[[Hyper, Tensor], dict[str, Tensor]]
     dense: StepFn
     sparse: StepFn
+    writes_grad: Callable[[Hyper], bool]  # does ``dense`` overwrite its gradient?
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,7 +94,7 @@ def _sgd_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
 
 def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
     if h["wd"] != 0:
-        g = g.add(w, alpha=h["wd"])
+        g.add_(w, alpha=h["wd"])
     momentum = float(h["momentum"])
     if momentum != 0:
         buf = st.tensors["momentum_buffer"]
@@ -101,7 +102,7 @@ def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
             buf.copy_(g)
         else:
             buf.mul_(momentum).add_(g, alpha=1 - h["dampening"])
-        g = g.add(buf, alpha=momentum) if h["nesterov"] else buf
+        g = g.add_(buf, alpha=momentum) if h["nesterov"] else buf
     w.add_(g, alpha=-lr)
 
 
@@ -133,14 +134,14 @@ def _adam_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoupl
         if decoupled:
             w.mul_(1 - lr * wd)
         else:
-            g = g.add(w, alpha=wd)
+            g.add_(w, alpha=wd)
     m, v = st.tensors["exp_avg"], st.tensors["exp_avg_sq"]
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     bias_correction1 = 1 - b1**st.step
     bias_correction2 = 1 - b2**st.step
     step_size = lr / bias_correction1
-    denom = (v.sqrt() / bias_correction2**0.5).add_(h["epsilon"])
+    denom = torch.sqrt(v, out=g).div_(bias_correction2**0.5).add_(h["epsilon"])  # g is no longer needed
     w.addcdiv_(m, denom, value=-step_size)
 
 
@@ -187,7 +188,7 @@ def _adagrad_lr(h: Hyper, lr: float, step: int) -> float:
 
 def _adagrad_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
     if h["wd"] != 0:
-        g = g.add(w, alpha=h["wd"])
+        g.add_(w, alpha=h["wd"])
     acc = st.tensors["sum"]
     acc.addcmul_(g, g, value=1)
     std = acc.sqrt().add_(h["epsilon"])
@@ -205,16 +206,23 @@ def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> 
 
 
 _RULES: dict[str, _Rule] = {
-    "sgd": _Rule({"momentum": 0.0, "dampening": 0.0, "nesterov": False}, _sgd_state, _sgd_dense, _sgd_sparse),
-    "adam": _Rule({"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, _adam_state, _adam_dense, _adam_sparse),
+    "sgd": _Rule(
+        {"momentum": 0.0, "dampening": 0.0, "nesterov": False},
+        _sgd_state,
+        _sgd_dense,
+        _sgd_sparse,
+        lambda h: h["wd"] != 0 or bool(h["nesterov"]),
+    ),
+    "adam": _Rule({"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, _adam_state, _adam_dense, _adam_sparse, lambda h: True),
     "adamw": _Rule(
-        {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "wd": 0.01}, _adam_state, _adamw_dense, _adamw_sparse
+        {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "wd": 0.01}, _adam_state, _adamw_dense, _adamw_sparse, lambda h: True
     ),
     "adagrad": _Rule(
         {"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
         _adagrad_state,
         _adagrad_dense,
         _adagrad_sparse,
+        lambda h: h["wd"] != 0,
     ),
 }
 
@@ -408,8 +416,13 @@ class Optimizer:
 
     # -- the update ----------------------------------------------------------------------------
 
-    def update(self, key: int, grad: Tensor, weight: Tensor) -> None:
-        """Apply one update of ``key``: ``weight`` changes in place; ``grad`` is not modified."""
+    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
+        """Apply one update of ``key``: ``weight`` changes in place.
+
+        ``grad`` is not modified, unless ``grad_is_scratch`` says the caller no longer needs it:
+        then the update works in it and allocates nothing (a dense gradient is copied once
+        otherwise).
+        """
         st = self.states.get(key)
         if st is None:
             st = self.states[key] = KeyState(0, self._rule.state(self._hyper, weight))
@@ -423,15 +436,20 @@ class Optimizer:
             vals = self._prepare(vals)
             grad = torch.sparse_coo_tensor(grad.indices(), vals, grad.shape, is_coalesced=True, check_invariants=False)
             self._rule.sparse(h, lr, st, grad, weight)
+        elif grad_is_scratch:
+            self._rule.dense(h, lr, st, self._prepare(grad, inplace=True), weight)
         else:
-            self._rule.dense(h, lr, st, self._prepare(grad), weight)
+            g = self._prepare(grad)  # a new tensor if rescaled or clipped
+            if g is grad and self._rule.writes_grad(h):
+                g = grad.clone()
+            self._rule.dense(h, lr, st, g, weight)
 
-    def _prepare(self, g: Tensor) -> Tensor:
+    def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
         if self._hyper["rescale_grad"] != 1.0:
-            g = g * self._hyper["rescale_grad"]
+            g = g.mul_(self._hyper["rescale_grad"]) if inplace else g * self._hyper["rescale_grad"]
         clip = self._hyper["clip_gradient"]
         if clip > 0:
-            g = g.clamp(-clip, clip)
+            g = g.clamp_(-clip, clip) if inplace else g.clamp(-clip, clip)
         return g
 
     # -- state ------------------------------------------------------------------------------------
@@ -468,14 +486,15 @@ def create(name: str, **hyper: Any) -> Optimizer:
     return Optimizer(name, hyper, schedule)
 
 
-def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor) -> None:
+def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False) -> None:
     """What a store does with a key's merged push: assign it, or run the optimizer on it.
 
     Without an optimizer the stored value is *replaced* by ``merged`` (a row-sparse ``merged``
-    replaces every row: absent rows become zero). With one, ``optimizer.update`` runs in place.
+    replaces every row: absent rows become zero). With one, ``optimizer.update`` runs in place;
+    ``merged_is_scratch`` lets it work inside ``merged`` instead of copying it.
     """
     if optimizer is not None:
-        optimizer.update(key, merged, stored)
+        optimizer.update(key, merged, stored, grad_is_scratch=merged_is_scratch)
     elif merged.is_sparse:
         rows, vals = _rows(merged)
         stored.zero_()

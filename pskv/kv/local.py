@@ -50,9 +50,9 @@ class LocalStore(KVStore):
                     v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v)).to(v.dtype)
                     for i, v in enumerate(values)
                 ]
-            merged = reduce_values(values, self._merge_device(values))
+            merged = reduce_values(values, self._merge_device(values)).to(self._values[meta.id].device)
             stored = self._values[meta.id]
-            apply_push(self._optimizer, meta.id, merged.to(stored.device), stored)
+            apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True)  # merged is ours
 
     def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None:
         for meta, outs in items:

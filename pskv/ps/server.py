@@ -505,13 +505,10 @@ class Server(Node):
         if self.optimizer is None:  # the sum replaces the value: make it there, in one pass
             _sum_into(p.value, grads)
             return
-        if len(grads) == 1:
-            merged = grads[0]  # the optimizer only reads its gradient
-        else:
-            if p.scratch is None:
-                p.scratch = torch.empty_like(p.value)
-            merged = _sum_into(p.scratch, grads)
-        apply_push(self.optimizer, p.opt_key, merged, p.value)
+        if p.scratch is None:
+            p.scratch = torch.empty_like(p.value)
+        # the optimizer works inside the scratch buffer: no full-size temporaries per round
+        apply_push(self.optimizer, p.opt_key, _sum_into(p.scratch, grads), p.value, merged_is_scratch=True)
 
     # -- pulls ------------------------------------------------------------------------------------
 

@@ -80,6 +80,18 @@ def test_dense_update_matches_torch(name: str, hyper: dict, torch_cls: type, tor
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize(("name", "hyper", "torch_cls", "torch_kw"), DENSE_CASES)
+def test_updating_inside_a_scratch_gradient_gives_the_same_numbers(name: str, hyper: dict, torch_cls: type, torch_kw: dict) -> None:
+    w0 = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    grads = _grads((5, 4))
+    keep, scratch = create(name, rescale_grad=0.5, **hyper), create(name, rescale_grad=0.5, **hyper)
+    a, b = w0.clone(), w0.clone()
+    for g in grads:
+        keep.update(0, g, a)
+        scratch.update(0, g.clone(), b, grad_is_scratch=True)
+    assert torch.equal(a, b)
+
+
 def _sparse_grads(rows: int, cols: int, steps: int = STEPS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     out = []
