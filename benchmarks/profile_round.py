@@ -1,29 +1,43 @@
 #!/usr/bin/env python3
 """Where the time of one round goes: a traced ``pskv bench`` run, merged into one timeline.
 
-Runs ``pskv bench --model resnet18 -n 2 -s 2`` with ``PSKV_TRACE`` set, then prints, for the
-median round, every recorded event of every process relative to the round's start.
+Runs ``pskv bench --model resnet18 -n 2 -s 2`` (or ``--size-mb``, ``-n``, ``-s``) with ``PSKV_TRACE`` set, then prints, for the
+median round, every recorded event of every process relative to the round's start, and the
+memcpy bound of this machine for the same payload: the copies and the sum a round cannot avoid
+(each worker copies its push into shared memory and its pull out of it; the servers read every
+worker's push and write the sum), timed here with one thread each and spread over the cores.
 
-    python benchmarks/profile_round.py [--rounds 20]
+    python benchmarks/profile_round.py [--rounds 20] [--size-mb MB] [-n W] [-s S]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pskv.models import parameter_shapes
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--size-mb", type=float, help="one array of this size instead of the ResNet-18 payload")
+    p.add_argument("-n", "--workers", type=int, default=2)
+    p.add_argument("-s", "--servers", type=int, default=2)
     args = p.parse_args()
+    payload = ["--size-mb", str(args.size_mb)] if args.size_mb else ["--model", "resnet18"]
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pskv", "bench", "--model", "resnet18", "-n", "2", "-s", "2",
+        subprocess.run([sys.executable, "-m", "pskv", "bench", *payload, "-n", str(args.workers), "-s", str(args.servers),
                         "--rounds", str(args.rounds), "--warmup", "3"],
                        check=True, env={**os.environ, "PSKV_TRACE": tmp})  # fmt: skip
         events = []
@@ -37,11 +51,62 @@ def main() -> int:
     ends = {a: max(t for t, who, what in events if a <= t < b and what == "pull complete") for a, b in rounds}
     lengths = sorted(rounds, key=lambda r: ends[r[0]] - r[0])
     a, _ = lengths[len(lengths) // 2]
-    print(f"median round: {1000 * (ends[a] - a):.1f} ms (rounds: {statistics.median([ends[r] - r for r, _ in rounds]) * 1000:.1f} ms median)")
+    print(
+        f"median round: {1000 * (ends[a] - a):.1f} ms (rounds: {statistics.median([ends[r] - r for r, _ in rounds]) * 1000:.1f} ms median)"
+    )
     for t, who, what in events:
         if a - 0.0005 <= t <= ends[a] + 0.0005:
             print(f"{1000 * (t - a):8.2f} ms  {who:9} {what}")
+    n = (
+        int(args.size_mb * 1e6 / 4)
+        if args.size_mb
+        else sum(math.prod(s) for s in parameter_shapes("resnet18"))
+    )
+    memcpy_bound(n, args.workers, statistics.median([ends[r] - r for r, _ in rounds]))
     return 0
+
+
+def memcpy_bound(n: int, workers: int, median_round: float) -> None:
+    """The least time the round's unavoidable memory traffic (``n`` floats) takes on this machine.
+
+    Per worker one copy in (push) and one out (pull); on the servers one pass summing the
+    workers' pushes. Two limits: the CPU time of that work at one core's speed spread over the
+    cores (and one worker's copies in a row), and the memory bus: the same passes made with
+    every core at once, one after another.
+    """
+    src, dst, other = torch.rand(n), torch.empty(n), torch.rand(n)
+
+    def best(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(9):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    cores = os.cpu_count() or 1
+    rates = {}
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)
+        rates[threads] = (best(lambda: dst.copy_(src)), best(lambda: torch.add(src, other, out=dst)))
+    copy, add = rates[1]
+    work = workers * 2 * copy + (workers - 1) * add
+    chain = 2 * copy + (workers - 1) * add / 2  # one worker's copies and its share of the sum
+    copy_all, add_all = rates[cores]
+    bus = workers * 2 * copy_all + (workers - 1) * add_all
+    bound = max(work / cores, chain, bus)
+    print(f"\nmemcpy bound, {4 * n / 1e6:.1f} MB payload, {workers} workers, {cores} cores:")
+    for threads, (c, a) in rates.items():
+        print(
+            f"  {threads} thread(s): copy {1000 * c:.1f} ms ({4 * n / c / 1e9:.1f} GB/s), sum of two {1000 * a:.1f} ms"
+        )
+    print(
+        f"  CPU: {1000 * work:.1f} ms of work / {cores} cores = {1000 * work / cores:.1f} ms; one worker's chain {1000 * chain:.1f} ms"
+    )
+    print(f"  memory bus: {2 * workers} copies + {workers - 1} sum(s) with all cores = {1000 * bus:.1f} ms")
+    print(
+        f"  bound {1000 * bound:.1f} ms; median round {1000 * median_round:.1f} ms = {median_round / bound:.2f} x the bound"
+    )
 
 
 if __name__ == "__main__":

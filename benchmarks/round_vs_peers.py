@@ -61,7 +61,9 @@ def main() -> int:
     if mx:
         rows.append(("MXNet 1.9.1 dist_sync", mx["round_s_median"]))
     gloo = (shm["gloo_round_s"] + tcp["gloo_round_s"]) / 2
-    print(f"\nResNet-18 payload: {shm['arrays']} arrays, {shm['bytes'] / 1e6:.1f} MB; 2 workers x 2 servers; {args.rounds} rounds")
+    print(
+        f"\nResNet-18 payload: {shm['arrays']} arrays, {shm['bytes'] / 1e6:.1f} MB; 2 workers x 2 servers; {args.rounds} rounds"
+    )
     print(f"{'system':42}{'median round':>14}{'vs gloo':>10}{'vs MXNet':>10}")
     for name, sec in rows:
         vs_mx = f"{sec / mx['round_s_median']:.2f}" if mx else "-"

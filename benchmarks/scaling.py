@@ -17,7 +17,11 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-PAYLOADS = [("4 MB", ["--size-mb", "4"]), ("44.7 MB (ResNet-18)", ["--model", "resnet18"]), ("102 MB (ResNet-50)", ["--model", "resnet50"])]
+PAYLOADS = [
+    ("4 MB", ["--size-mb", "4"]),
+    ("44.7 MB (ResNet-18)", ["--model", "resnet18"]),
+    ("102 MB (ResNet-50)", ["--model", "resnet50"]),
+]
 
 
 def bench(what: list[str], workers: int, servers: int, rounds: int, gloo: bool) -> dict:
@@ -40,7 +44,9 @@ def main() -> int:
             for servers in (1, 2):
                 r = bench(what, workers, servers, args.rounds, gloo=servers == 1 and workers > 1)
                 cells.append({"payload": label, "workers": workers, "servers": servers, **r})
-    print(f"\n{'payload':22}{'W':>3}{'S':>3}{'pskv round':>12}{'GB/s/worker':>13}{'gloo round':>12}{'pskv/gloo':>11}")
+    print(
+        f"\n{'payload':22}{'W':>3}{'S':>3}{'pskv round':>12}{'GB/s/worker':>13}{'gloo round':>12}{'pskv/gloo':>11}"
+    )
     gloo_of: dict[tuple[str, int], float] = {}
     for c in cells:
         if "gloo_round_s" in c:
@@ -49,7 +55,9 @@ def main() -> int:
         g = gloo_of.get((c["payload"], c["workers"]))
         ratio = f"{c['pskv_round_s'] / g:.2f}" if g else "-"
         gs = f"{g:.4f}" if g else "-"
-        print(f"{c['payload']:22}{c['workers']:>3}{c['servers']:>3}{c['pskv_round_s']:>12.4f}{c['pskv_gbps_per_worker']:>13.2f}{gs:>12}{ratio:>11}")
+        print(
+            f"{c['payload']:22}{c['workers']:>3}{c['servers']:>3}{c['pskv_round_s']:>12.4f}{c['pskv_gbps_per_worker']:>13.2f}{gs:>12}{ratio:>11}"
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(cells, indent=2) + "\n")
     print(f"wrote {args.json}")

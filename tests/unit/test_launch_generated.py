@@ -24,6 +24,7 @@ import pytest
 
 from pskv import cli
 from pskv.errors import LaunchError
+from pskv.launch import parse_env_specs
 from pskv.launch.common import (
     Host,
     JobSpec,
@@ -149,6 +150,22 @@ def test_env_precedence_launcher_counts_win_role_options_last() -> None:
     worker = role_env(spec, base_env(spec, "h", 1), "worker", 0)
     assert worker["DMLC_NUM_WORKER"] == "3" and worker["X"] == "worker"
     assert forwarded_env({"PSKV_A": "1", "PSKV_PORT_FD": "3", "OTHER": "x"}) == {"PSKV_A": "1"}
+
+
+def test_env_specs_set_pass_or_are_rejected_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSKV_TEST_PASSED", "from here")
+    monkeypatch.delenv("PSKV_TEST_UNSET", raising=False)
+    assert parse_env_specs(["A:1", "B_2:x:y", "EMPTY:", "PSKV_TEST_PASSED"]) == {
+        "A": "1",
+        "B_2": "x:y",  # the value is everything after the first colon
+        "EMPTY": "",
+        "PSKV_TEST_PASSED": "from here",
+    }
+    with pytest.raises(LaunchError, match="PSKV_TEST_UNSET is not set here"):
+        parse_env_specs(["PSKV_TEST_UNSET"])
+    for bad in ("1ABC:x", "A-B:x", ":x", "A B", ""):
+        with pytest.raises(LaunchError, match="expected NAME or NAME:VALUE"):
+            parse_env_specs([bad])
 
 
 def test_scheduler_address_choices(monkeypatch: pytest.MonkeyPatch) -> None:
