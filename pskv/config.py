@@ -9,7 +9,7 @@ variable                   default  meaning
 ``PSKV_HEARTBEAT_INTERVAL`` 1       seconds between heartbeats (kept below the timeout / 3)
 ``PSKV_BIGARRAY_BOUND``    1000000  arrays with at least this many elements are sliced over servers
 ``PSKV_CHUNK_BYTES``       4194304  big slices are cut into parts of at most this many bytes
-``PSKV_BATCH_BYTES``       8388608  a push goes to a server in messages of about this many bytes
+``PSKV_BATCH_BYTES``       8388608  a push goes to a TCP server in messages of about this many bytes
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
@@ -101,8 +101,9 @@ def chunk_bytes() -> int:
 
 
 def batch_bytes() -> int:
-    """``PSKV_BATCH_BYTES``: a push call sends a server a message every this many bytes, so the
-    server merges the first parts while the rest are still being copied or sent."""
+    """``PSKV_BATCH_BYTES``: a push call sends a TCP server a message every this many bytes, so the
+    server merges the first parts while the rest are on the wire (through shared memory a push
+    is one message per server)."""
     return max(1, getenv("PSKV_BATCH_BYTES", 8 << 20))
 
 

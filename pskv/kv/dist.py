@@ -215,7 +215,7 @@ class DistStore(KVStore):
 
     def _push_dense(self, meta: KeyMeta, values: list[Tensor], batches: dict[int, _Batch], sent: list[Callable[[float], bool]]) -> None:
         """Add ``meta``'s parts to the per-server batches (summed into shared slots, or as frames),
-        sending a server's batch whenever it holds ``PSKV_BATCH_BYTES``."""
+        sending a TCP server's batch whenever it holds ``PSKV_BATCH_BYTES``."""
         if self._on_device and len(values) > 1 and values[0].device.type != "cpu":
             values = [reduce_values(values, values[0].device)]  # sum on the device, copy once
         flats = [v.detach().reshape(-1) for v in values]
@@ -250,6 +250,10 @@ class DistStore(KVStore):
                     slot.add_(f[p.start : p.stop].to("cpu"))
                 b.rows.append((meta.id, p.index, arena.fd, offset, nbytes))
                 b.slots.append(where)
+                continue
+            # TCP: the server sums one batch while the next is on the wire. Shared memory: every
+            # stage is a pass over memory, so overlapping them only makes the passes compete for
+            # the memory bus and the cores; the parts go in one message per server per call.
             b.nbytes += nbytes
             if b.nbytes >= self._batch:
                 self._send_batch(p.server, batches.pop(p.server), sent)

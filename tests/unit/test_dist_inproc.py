@@ -58,6 +58,33 @@ def test_sync_rounds_follow_the_formula(inproc_job: Job, workers: int, servers: 
     assert job.join() == {"scheduler": 0, **{f"server {s}": 0 for s in range(servers)}}
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, shm: str) -> None:
+    """Over TCP a push goes out every PSKV_BATCH_BYTES; through shared memory in one message per
+    server per call (the stages share the memory bus, so there is nothing to overlap). Same sums."""
+    monkeypatch.setenv("PSKV_SHM", shm)
+    monkeypatch.setenv("PSKV_BATCH_BYTES", "1")  # over TCP: every part its own message
+    job = inproc_job(2, 2)
+    keys = list(range(6))
+
+    def body(kv: KVStore) -> int:
+        assert bool(kv._shm_servers) == (shm == "1")  # type: ignore[attr-defined]
+        kv.init(keys, [torch.zeros(1000, 1000 + k) for k in keys])  # 2 parts each: one per server
+        sends = []
+        real = kv._send_batch  # type: ignore[attr-defined]
+        kv._send_batch = lambda server, b, sent: (sends.append(len(b.rows)), real(server, b, sent))  # type: ignore[attr-defined]
+        kv.push(keys, [torch.full((1000, 1000 + k), float(kv.rank + 1 + k)) for k in keys])
+        outs = [torch.empty(1000, 1000 + k) for k in keys]
+        kv.pull(keys, outs)
+        for k, out in zip(keys, outs):
+            assert torch.all(out == 3 + 2 * k), (k, out.flatten()[:3])
+        assert sum(sends) == 2 * len(keys)
+        return len(sends)
+
+    expected = 2 if shm == "1" else 2 * len(keys)
+    assert job.run_workers(body) == [expected] * 2
+
+
 def test_a_second_push_waits_for_the_next_round(inproc_job: Job) -> None:
     """Round = one push from each *distinct* worker: worker 0 pushing twice does not complete it."""
     job = inproc_job(2, 1)
