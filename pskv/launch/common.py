@@ -386,13 +386,17 @@ def print_plan(title: str, body: str) -> None:
 
 def start_guarded_scheduler(
     ctx: ProcessContext, spec: JobSpec, root_uri: str, extra: Optional[Mapping[str, str]] = None
-) -> tuple[Proc, int]:
+) -> tuple[list[Proc], Optional[int]]:
     """Start the scheduler here, as the local launcher does (it reports its port through a
     pipe), bound to ``root_uri``, under the guard with its stdin watched: it stops with the
-    launcher even when the launcher is killed with SIGKILL."""
+    launcher even when the launcher is killed with SIGKILL. Returns the processes started and
+    the port: none and None for a job without servers (``-s 0``), which has no scheduler."""
+    if not spec.num_servers:
+        return [], None
     env = {**spec.environ, **base_env(spec, root_uri, None), **(extra or {})}
     argv = [*guard_argv(sys.executable, watch_stdin=True), "--", sys.executable, "-m", "pskv", "serve"]
-    return start_scheduler(ctx, env, config.start_timeout(), argv=argv, stdin="pipe")
+    sched, port = start_scheduler(ctx, env, config.start_timeout(), argv=argv, stdin="pipe")
+    return [sched], port
 
 
 def finish_timeout() -> float:

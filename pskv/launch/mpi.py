@@ -40,7 +40,7 @@ from .common import (
     start_guarded_scheduler,
     supervise,
 )
-from .process import Proc, ProcessContext
+from .process import ProcessContext
 
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
@@ -132,11 +132,7 @@ def launch_mpi(spec: JobSpec) -> int:
         ctx = ProcessContext()
 
         def body() -> int:
-            helpers: list[Proc] = []
-            port: Optional[int] = None
-            if spec.num_servers:
-                sched, port = start_guarded_scheduler(ctx, spec, root_uri)
-                helpers.append(sched)
+            helpers, port = start_guarded_scheduler(ctx, spec, root_uri)
             argv = mpirun_argv(spec, mpirun, flavor, root_uri, port, hostfile)
             main = ctx.start("mpirun", "mpirun", argv, spec.environ, show="raw")
             return ctx.wait([main], helpers, finish_timeout=finish_timeout(), timeout=spec.timeout)

@@ -228,12 +228,9 @@ def launch_sge(spec: JobSpec) -> int:
     ctx.on_stop.append(cancel)
 
     def body() -> int:
-        helpers: list[Watched] = []
-        port: Optional[int] = None
-        if spec.num_servers:
-            extra = {} if spec.environ.get("PSKV_START_TIMEOUT") else {"PSKV_START_TIMEOUT": QUEUE_START_TIMEOUT}
-            sched, port = start_guarded_scheduler(ctx, spec, root_uri, extra)
-            helpers.append(sched)
+        extra = {} if spec.environ.get("PSKV_START_TIMEOUT") else {"PSKV_START_TIMEOUT": QUEUE_START_TIMEOUT}
+        started, port = start_guarded_scheduler(ctx, spec, root_uri, extra)
+        helpers: list[Watched] = list(started)
         scripts = write_scripts(port)
         for role in roles:
             res = run_quiet(qsub_argv(spec, qsub, role, scripts[role], workdir), timeout=120, env=spec.environ)

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from typing import Optional
 
 from ..errors import LaunchError
 from .common import (
@@ -100,11 +99,7 @@ def launch_in_allocation(spec: JobSpec) -> int:
     ctx = ProcessContext()
 
     def body() -> int:
-        helpers: list[Proc] = []
-        port: Optional[int] = None
-        if spec.num_servers:
-            sched, port = start_guarded_scheduler(ctx, spec, root_uri)
-            helpers.append(sched)
+        helpers, port = start_guarded_scheduler(ctx, spec, root_uri)
         base = base_env(spec, root_uri, port)
         main: list[Proc] = []
         for role in roles:

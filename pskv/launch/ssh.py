@@ -248,11 +248,7 @@ def launch_ssh(spec: JobSpec) -> int:
     ctx = ProcessContext()
 
     def body() -> int:
-        helpers: list[Proc] = []
-        port: Optional[int] = None
-        if spec.num_servers:
-            sched, port = start_guarded_scheduler(ctx, spec, root_uri)
-            helpers.append(sched)
+        helpers, port = start_guarded_scheduler(ctx, spec, root_uri)
         workers: list[Proc] = []
         started: dict[Destination, int] = {}
         for p in plan(spec, root_uri, port, dests, cwd):
