@@ -89,3 +89,53 @@ def launch(
         *args,
     ]
     return run(argv, timeout=timeout, env=env, cwd=tmp)
+
+
+_FORMULAS_JOIN = """\
+import sys, torch, pskv
+kv = pskv.kv.create("dist_sync")
+W, r = kv.num_workers, kv.rank
+assert W == int(sys.argv[1]) and kv.num_servers == int(sys.argv[2]), (W, kv.num_servers)
+"""
+
+_FORMULAS_CHECKS = """\
+tri = W * (W + 1) / 2
+shapes = {"small": (5, 3), "even": (1200, 1200), "odd": (1211, 1211)}
+# no optimizer: the merged sum replaces the value
+for name, shape in shapes.items():
+    kv.init(name, torch.ones(shape))
+    grad = torch.full(shape, r + 1.0)
+    out = torch.empty(shape)
+    for i in range(2):
+        kv.push(name, grad)
+        kv.pull(name, out)
+        assert torch.all(out == tri), (name, i, out.flatten()[:4])
+        assert torch.all(grad == r + 1.0), "the pushed tensor was modified (MXNet's doubling bug)"
+# server-side sgd: after round i every worker pulls 1 - lr*rescale*W(W+1)/2*(i+1)
+kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, rescale_grad=0.5))
+for name, shape in shapes.items():
+    key = "opt-" + name
+    kv.init(key, torch.ones(shape))
+    grad = torch.full(shape, r + 1.0)
+    out = torch.empty(shape)
+    for i in range(3):
+        kv.pushpull(key, grad, out=out)
+        want = 1 - 0.1 * 0.5 * tri * (i + 1)
+        assert torch.allclose(out, torch.full(shape, want)), (key, i, out.flatten()[:4], want)
+# device lists are summed before they leave the worker
+kv.init("dev", torch.zeros(4, 4))
+kv.push("dev", [torch.ones(4, 4)] * 3)
+out = [torch.empty(4, 4), torch.empty(4, 4)]
+kv.pull("dev", out)
+assert all(torch.allclose(o, torch.full((4, 4), -0.05 * 3 * W)) for o in out)
+print(f"rank {r}: formulas ok", flush=True)
+kv.close()
+"""
+
+
+def formulas_script(after_join: str = "") -> str:
+    """A worker script that checks SPEC.md section 3's formulas itself and exits non-zero on a
+    mismatch: sums with and without server-side sgd for small, 1200x1200 and 1211x1211 arrays,
+    the pushed tensor left unchanged, device lists. Its arguments are W and S; ``after_join``
+    runs once the store is joined (names ``kv``, ``W``, ``r``)."""
+    return _FORMULAS_JOIN + after_join + _FORMULAS_CHECKS

@@ -1,11 +1,13 @@
 """What the cluster-launcher tests share: the job every launcher runs, and "nothing left" checks.
 
-The job is 3 workers and 2 servers; each worker checks the dist semantics numerically (small
-and split 1200x1200 arrays, without and with server-side sgd) and exits non-zero on a mismatch.
+The job is 3 workers and 2 servers; each worker checks the dist semantics numerically (the
+script of ``jobs.formulas_script``, plus its own environment) and exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 import uuid
@@ -14,41 +16,18 @@ from pathlib import Path
 from typing import Optional
 
 from .daemons import alive, find_processes
-from .jobs import JobResult
+from .jobs import REPO, JobResult, formulas_script
 
 WORKERS, SERVERS = 3, 2
 
-FORMULAS = """\
-import os, sys, torch, pskv
-kv = pskv.kv.create("dist_sync")
-W, r = kv.num_workers, kv.rank
-assert W == int(sys.argv[1]) and kv.num_servers == int(sys.argv[2]), (W, kv.num_servers)
+FORMULAS = formulas_script(
+    """\
+import os
 assert os.environ["DMLC_WORKER_ID"] == str(r), (os.environ["DMLC_WORKER_ID"], r)
 env = [os.environ.get(k, "-") for k in ("ALL", "ONLY_W", "ONLY_S", "DMLC_ROLE", "RANK", "WORLD_SIZE")]
 print("env", r, os.getcwd(), *env, flush=True)
-tri = W * (W + 1) / 2
-shapes = {"small": (5, 3), "split": (1200, 1200)}
-for name, shape in shapes.items():          # no optimizer: the merged sum replaces the value
-    kv.init(name, torch.ones(shape))
-    grad = torch.full(shape, r + 1.0)
-    out = torch.empty(shape)
-    for i in range(2):
-        kv.push(name, grad)
-        kv.pull(name, out)
-        assert torch.all(out == tri), (name, i, out.flatten()[:4])
-kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, rescale_grad=0.5))
-for name, shape in shapes.items():          # server-side sgd: 1 - lr*r*W(W+1)/2*(i+1)
-    key = "opt-" + name
-    kv.init(key, torch.ones(shape))
-    grad = torch.full(shape, r + 1.0)
-    out = torch.empty(shape)
-    for i in range(3):
-        kv.pushpull(key, grad, out=out)
-        want = 1 - 0.1 * 0.5 * tri * (i + 1)
-        assert torch.allclose(out, torch.full(shape, want)), (key, i, out.flatten()[:4], want)
-print(f"rank {r}: formulas ok", flush=True)
-kv.close()
 """
+)
 
 # worker 1 fails after a second; the others would run for two minutes
 CRASH = """\
@@ -110,6 +89,33 @@ def check_formulas(res: JobResult, host: Optional[Sequence[str]] = None, server_
         tag = f"[server {s}@{server_host[s]}]" if server_host else f"[server {s}]"
         assert f"{tag} pskv server {s}: serving on tcp://" in out, res
     assert "pskv scheduler:" not in out and "pskv worker" not in out, res
+
+
+def start_launcher(argv: list[str], cwd: Path, env: Optional[dict[str, str]] = None) -> subprocess.Popen[str]:
+    """``pskv launch`` in a session of its own, its output piped (for tests that signal it)."""
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**(env if env is not None else os.environ), "PYTHONPATH": str(REPO)},
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def read_pids(launcher: subprocess.Popen[str], n: int) -> list[int]:
+    """The pids that ``n`` job processes print ("pid N"), read from the launcher's output."""
+    assert launcher.stdout is not None
+    pids: list[int] = []
+    deadline = time.monotonic() + 90
+    while len(pids) < n and time.monotonic() < deadline:
+        line = launcher.stdout.readline()
+        if not line:
+            break
+        pids += pids_in(line)
+    assert len(pids) == n, f"got {pids}; launcher status {launcher.poll()}"
+    return pids
 
 
 def pids_in(text: str) -> list[int]:

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .daemons import GridEngine, gridengine, gridengine_available
-from .jobs import REPO, run
+from .jobs import run
 from .launch_checks import (
     check_formulas,
     env_args,
@@ -25,6 +23,8 @@ from .launch_checks import (
     marker,
     marker_args,
     pids_in,
+    read_pids,
+    start_launcher,
     wait_gone,
     write_project,
 )
@@ -81,25 +81,9 @@ def test_a_crashing_task_deletes_the_jobs(cell: GridEngine, tmp_path: Path) -> N
 def test_ctrl_c_deletes_the_jobs(cell: GridEngine, tmp_path: Path) -> None:
     project = write_project(tmp_path / "project")
     mark = marker()
-    launcher = subprocess.Popen(
-        launch_argv(cell, "-n", "2", "-s", "1", *marker_args(mark), "--", sys.executable, "sleep.py"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**cell.env(), "PYTHONPATH": str(REPO)},
-        cwd=project,
-        start_new_session=True,
-    )
+    launcher = start_launcher(launch_argv(cell, "-n", "2", "-s", "1", *marker_args(mark), "--", sys.executable, "sleep.py"), project, cell.env())
     try:
-        assert launcher.stdout is not None
-        pids: list[int] = []
-        deadline = time.monotonic() + 90
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if not line:
-                break
-            pids += pids_in(line)
-        assert len(pids) == 2, pids
+        pids = read_pids(launcher, 2)
         launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=90)
         assert launcher.returncode == 130, err

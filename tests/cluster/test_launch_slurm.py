@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from .daemons import Slurm, slurm, slurm_available
-from .jobs import REPO, run
+from .jobs import run
 from .launch_checks import (
     check_formulas,
     env_args,
@@ -26,6 +25,8 @@ from .launch_checks import (
     marker,
     marker_args,
     pids_in,
+    read_pids,
+    start_launcher,
     wait_gone,
     write_project,
 )
@@ -87,25 +88,9 @@ def test_a_crashing_worker_ends_the_steps(cluster: Slurm, tmp_path: Path) -> Non
 def test_ctrl_c_cancels_the_submitted_job(cluster: Slurm, tmp_path: Path) -> None:
     project = write_project(tmp_path / "project")
     mark = marker()
-    launcher = subprocess.Popen(
-        launch_argv("-n", "2", "-s", "1", "--launcher-args=--overcommit", *marker_args(mark), "--", sys.executable, "sleep.py"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**cluster.env(), "PYTHONPATH": str(REPO)},
-        cwd=project,
-        start_new_session=True,
-    )
+    launcher = start_launcher(launch_argv("-n", "2", "-s", "1", "--launcher-args=--overcommit", *marker_args(mark), "--", sys.executable, "sleep.py"), project, cluster.env())
     try:
-        assert launcher.stdout is not None
-        pids: list[int] = []
-        deadline = time.monotonic() + 90
-        while len(pids) < 2 and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            if not line:
-                break
-            pids += pids_in(line)
-        assert len(pids) == 2, pids
+        pids = read_pids(launcher, 2)
         launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 130, err

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .daemons import Sshd, rsync_available, sshd, sshd_available
-from .jobs import REPO, run
+from .jobs import run
 from .launch_checks import (
     check_formulas,
     env_args,
@@ -26,6 +24,8 @@ from .launch_checks import (
     marker,
     marker_args,
     pids_in,
+    read_pids,
+    start_launcher,
     wait_gone,
     write_project,
 )
@@ -119,39 +119,14 @@ def test_a_worker_that_crashes_on_a_remote_host_stops_everything(server: Sshd, t
     assert wait_gone(mark, pids, cwd_under=dst) == []
 
 
-def _start(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        cwd=cwd,
-        start_new_session=True,
-    )
-
-
-def _read_pids(launcher: subprocess.Popen[str], n: int) -> list[int]:
-    assert launcher.stdout is not None
-    pids: list[int] = []
-    deadline = time.monotonic() + 90
-    while len(pids) < n and time.monotonic() < deadline:
-        line = launcher.stdout.readline()
-        if not line:
-            break
-        pids += pids_in(line)
-    assert len(pids) == n, f"got {pids}; launcher status {launcher.poll()}"
-    return pids
-
-
 @pytest.mark.timeout(180)
 def test_ctrl_c_stops_the_processes_on_every_host(server: Sshd, tmp_path: Path) -> None:
     project = write_project(tmp_path / "project")
     dst = tmp_path / "remote"
     mark = marker()
-    launcher = _start(ssh_launch(server, tmp_path, ["pskv-a", "pskv-b"], [*marker_args(mark), "--", sys.executable, "sleep.py"], dst), project)
+    launcher = start_launcher(ssh_launch(server, tmp_path, ["pskv-a", "pskv-b"], [*marker_args(mark), "--", sys.executable, "sleep.py"], dst), project)
     try:
-        pids = _read_pids(launcher, 3)
+        pids = read_pids(launcher, 3)
         launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=60)
         assert launcher.returncode == 130, err
@@ -170,9 +145,9 @@ def test_a_killed_launcher_takes_the_remote_processes_with_it(server: Sshd, tmp_
     project = write_project(tmp_path / "project")
     dst = tmp_path / "remote"
     mark = marker()
-    launcher = _start(ssh_launch(server, tmp_path, ["pskv-a", "pskv-b"], [*marker_args(mark), "--", sys.executable, "sleep.py"], dst), project)
+    launcher = start_launcher(ssh_launch(server, tmp_path, ["pskv-a", "pskv-b"], [*marker_args(mark), "--", sys.executable, "sleep.py"], dst), project)
     try:
-        pids = _read_pids(launcher, 3)
+        pids = read_pids(launcher, 3)
         assert len(wait_gone(mark, timeout=0)) >= 6  # the scheduler, 2 servers, 3 workers at least
         launcher.kill()
         launcher.communicate(timeout=30)
