@@ -715,8 +715,39 @@ def _slurm_plugin_dir() -> Optional[str]:
     return None
 
 
+class _BatchSystem:
+    """What the test's Slurm cluster and Grid Engine cell share: client commands run against
+    them with a hard timeout, and emptying their queue."""
+
+    logs: tuple[Path, ...]
+
+    def env(self, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        raise NotImplementedError
+
+    def job_ids(self) -> list[str]:
+        raise NotImplementedError
+
+    def run(
+        self, argv: Sequence[str], timeout: float = 60.0, check: bool = True, cwd: Optional[StrPath] = None
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a client command (srun, sbatch, qsub, qstat, ...) against this cluster."""
+        return _run(argv, env=self.env(), timeout=timeout, check=check, cwd=cwd, logs=self.logs)
+
+    def _empty_queue(self, cancel: Sequence[str], timeout: float) -> None:
+        """Cancel every job with ``cancel`` and wait until the queue lists none."""
+        ids = self.job_ids()
+        if not ids:
+            return
+        self.run([*cancel, *dict.fromkeys(ids)], timeout=30, check=False)
+        deadline = time.monotonic() + timeout
+        while self.job_ids():
+            if time.monotonic() > deadline:
+                raise DaemonError(f"jobs still queued {timeout:.0f}s after {cancel[0]}\n{_logs_message(self.logs)}")
+            time.sleep(0.2)
+
+
 @dataclasses.dataclass(frozen=True)
-class Slurm:
+class Slurm(_BatchSystem):
     """A one-node Slurm cluster: node ``node`` (127.0.0.1) with ``cpus`` CPUs in ``partition``."""
 
     conf: Path
@@ -739,12 +770,6 @@ class Slurm:
         env["SLURM_CONF"] = str(self.conf)
         return env
 
-    def run(
-        self, argv: Sequence[str], timeout: float = 60.0, check: bool = True, cwd: Optional[StrPath] = None
-    ) -> subprocess.CompletedProcess[str]:
-        """Run a Slurm client command (srun, sbatch, ...) against this cluster, with a hard timeout."""
-        return _run(argv, env=self.env(), timeout=timeout, check=check, cwd=cwd, logs=self.logs)
-
     def job_ids(self) -> list[str]:
         """IDs of the jobs the cluster still knows as pending or running."""
         res = self.run(["squeue", "-h", "-o", "%i"], timeout=30)
@@ -756,17 +781,7 @@ class Slurm:
 
     def cancel_all(self, timeout: float = 30.0) -> None:
         """scancel every job of this cluster and wait until squeue shows none."""
-        ids = self.job_ids()
-        if not ids:
-            return
-        self.run(["scancel", *ids], timeout=30, check=False)
-        deadline = time.monotonic() + timeout
-        while self.job_ids():
-            if time.monotonic() > deadline:
-                raise DaemonError(
-                    f"jobs still in the queue {timeout:.0f}s after scancel\n{_logs_message(self.logs)}"
-                )
-            time.sleep(0.2)
+        self._empty_queue(["scancel"], timeout)
 
 
 def _slurm_conf(
@@ -983,7 +998,7 @@ def gridengine_available() -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class GridEngine:
+class GridEngine(_BatchSystem):
     """A one-host Grid Engine cell: qmaster and execd on ``host``, queue ``queue`` with ``slots``
     slots, parallel environment ``pe`` (allocation_rule $pe_slots)."""
 
@@ -1014,27 +1029,13 @@ class GridEngine:
         )
         return env
 
-    def run(
-        self, argv: Sequence[str], timeout: float = 60.0, check: bool = True, cwd: Optional[StrPath] = None
-    ) -> subprocess.CompletedProcess[str]:
-        """Run a Grid Engine client command (qsub, qstat, qconf, ...) against this cell."""
-        return _run(argv, env=self.env(), timeout=timeout, check=check, cwd=cwd, logs=self.logs)
-
     def job_ids(self) -> list[str]:
         res = self.run(["qstat", "-u", "*"], timeout=30)
         return [line.split()[0] for line in res.stdout.splitlines()[2:] if line.strip()]
 
     def delete_all(self, timeout: float = 30.0) -> None:
         """qdel every job and wait until qstat shows none."""
-        ids = self.job_ids()
-        if not ids:
-            return
-        self.run(["qdel", "-f", *dict.fromkeys(ids)], timeout=30, check=False)
-        deadline = time.monotonic() + timeout
-        while self.job_ids():
-            if time.monotonic() > deadline:
-                raise DaemonError(f"jobs still listed {timeout:.0f}s after qdel\n{_logs_message(self.logs)}")
-            time.sleep(0.2)
+        self._empty_queue(["qdel", "-f"], timeout)
 
 
 def _sge_conf(d: Path, spool_execd: Path) -> str:
