@@ -16,7 +16,7 @@ variable                   default  meaning
 ========================== ======== ============================================================
 
 The ``DMLC_*`` variables that say who a process is (role, scheduler address, counts) are read in
-:mod:`pskv.ps.postoffice`; they keep the names that existing parameter-server tooling sets.
+:mod:`pskv.ps.node`; they keep the names that existing parameter-server tooling sets.
 """
 
 from __future__ import annotations

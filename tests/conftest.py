@@ -32,7 +32,7 @@ class InprocJob:
             self._start(f"server {s}", lambda s=s: Server(self.env("server", server_id=s)).run())
 
     def env(self, role: str, **kw: Any) -> Any:
-        from pskv.ps.postoffice import JobEnv
+        from pskv.ps.node import JobEnv
 
         return JobEnv(role, self.root, 0, self.workers, self.servers, **kw)
 

@@ -36,8 +36,8 @@ from ..optim import Optimizer
 from ..ps import shm, trace
 from ..ps.client import WorkerClient
 from ..ps.message import Flag, Message, Type, dtype_name, frame_tensor, pack_index, tensor_frame, unpack_index
+from ..ps.node import JobEnv, host_identity
 from ..ps.partition import Part, place
-from ..ps.postoffice import JobEnv, host_identity
 from ..ps.tracker import Request
 from .base import KeyMeta, KVStore
 

@@ -264,7 +264,7 @@ def scheduler_address(environ: Mapping[str, str], towards: Sequence[str] = ()) -
     job's hosts) that is not a loopback address, so other hosts can reach it; when every host is
     this machine's loopback, 127.0.0.1.
     """
-    from ..ps.postoffice import interface_address, route_address
+    from ..ps.node import interface_address, route_address
 
     node_host = environ.get("DMLC_NODE_HOST", "").strip()
     if node_host:

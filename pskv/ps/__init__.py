@@ -10,7 +10,7 @@ import sys
 from typing import Optional
 
 from ..errors import PSKVError
-from .postoffice import JobEnv
+from .node import JobEnv
 
 
 def serve(env: Optional[JobEnv] = None) -> int:

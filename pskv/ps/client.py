@@ -20,7 +20,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, NodeFailedError, ProtocolError, PSKVError, StoreClosedError
 from .message import Message, Type
-from .postoffice import JobEnv, Node
+from .node import JobEnv, Node
 from .tracker import OnReply, Request, Tracker
 from .van import PeerUnreachable, Van
 

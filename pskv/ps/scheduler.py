@@ -26,7 +26,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, DeadlineExceeded, NodeFailedError
 from .message import Message, Type, error_reply
-from .postoffice import JobEnv, describe_node
+from .node import JobEnv, describe_node
 from .van import Van, ZmqVan
 
 

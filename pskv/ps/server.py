@@ -63,7 +63,7 @@ from .message import (
     torch_dtype,
     unpack_index,
 )
-from .postoffice import JobEnv, Node
+from .node import JobEnv, Node
 from .van import Van
 
 PART_BITS = 20  # optimizer state key = key << PART_BITS | part

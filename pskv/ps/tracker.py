@@ -15,7 +15,7 @@ from typing import Optional
 
 from ..errors import DeadlineExceeded, PSKVError
 from .message import Flag, Message, Type, unpack_index
-from .postoffice import raise_error_reply
+from .node import raise_error_reply
 
 OnReply = Callable[[Message], None]
 _INDEX_COLS = 4  # answers to batched requests index their parts as (entry, fd, offset, bytes)

@@ -284,7 +284,7 @@ def test_start_timeout_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
 def test_dead_scheduler_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSKV_HEARTBEAT_TIMEOUT", "1")
     from pskv.ps.client import WorkerClient
-    from pskv.ps.postoffice import JobEnv
+    from pskv.ps.node import JobEnv
 
     root = "inproc://no-scheduler-here"
     ctx = zmq.Context.instance()

@@ -174,7 +174,7 @@ def test_scheduler_address_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(LaunchError, match="no-such-nic"):
         scheduler_address({"DMLC_INTERFACE": "no-such-nic"}, [])
     assert scheduler_address({}, ["127.0.0.1", "localhost"]) == "127.0.0.1"
-    import pskv.ps.postoffice as po
+    import pskv.ps.node as po
 
     seen: list[str] = []
     monkeypatch.setattr(po, "route_address", lambda remote: seen.append(remote) or "192.0.2.77")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pskv.errors import ClusterError
-from pskv.ps.postoffice import JobEnv
+from pskv.ps.node import JobEnv
 
 BASE = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "3", "DMLC_NUM_SERVER": "2"}
 
