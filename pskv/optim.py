@@ -454,6 +454,19 @@ class Optimizer:
 
     # -- state ------------------------------------------------------------------------------------
 
+    def check_state(self, key: object, tensors: Mapping[str, Tensor], weight: Tensor) -> None:
+        """An :class:`~pskv.errors.OptimizerError` unless ``tensors`` are the states this
+        optimizer keeps for ``weight`` (names and sizes): checked before any is loaded."""
+        want = sorted(self._rule.state(self._hyper, torch.empty(0)))
+        if sorted(tensors) != want:
+            raise OptimizerError(
+                f"key {key}: the saved states are {sorted(tensors)} but {self!r} keeps {want}; "
+                "load them into an optimizer with the same settings"
+            )
+        for n, t in tensors.items():
+            if not isinstance(t, Tensor) or t.numel() != weight.numel():
+                raise OptimizerError(f"key {key}: state {n!r} does not have the {weight.numel()} elements of the weight")
+
     def state_dict(self) -> dict[str, Any]:
         """States of every key: ``{"optimizer": description, "num_update", "keys": {key: {"step", "tensors"}}}``."""
         return {
@@ -463,17 +476,22 @@ class Optimizer:
         }
 
     def load_state_dict(self, state: Mapping[str, Any], weights: Optional[Mapping[int, Tensor]] = None) -> None:
-        """Install states saved by :meth:`state_dict` (tensors are copied; devices follow ``weights``)."""
+        """Install states saved by :meth:`state_dict` (tensors are copied; devices follow ``weights``).
+        Everything is checked first: a bad state changes nothing."""
         try:
-            keys = state["keys"]
-            self.num_update = int(state["num_update"])
+            num_update = int(state["num_update"])
             new: dict[int, KeyState] = {}
-            for k, s in keys.items():
-                device = weights[int(k)].device if weights is not None and int(k) in weights else None
+            for k, s in state["keys"].items():
+                weight = weights.get(int(k)) if weights is not None else None
+                if weight is not None:
+                    self.check_state(k, s["tensors"], weight)
+                device = weight.device if weight is not None else None
                 new[int(k)] = KeyState(int(s["step"]), {n: t.to(device, copy=True) for n, t in s["tensors"].items()})
+        except OptimizerError:
+            raise
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise OptimizerError(f"not a pskv optimizer state: {exc!r}") from exc
-        self.states = new
+        self.states, self.num_update = new, num_update
 
 
 def create(name: str, **hyper: Any) -> Optimizer:

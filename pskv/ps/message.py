@@ -1,19 +1,20 @@
-"""pskv's wire format: a fixed binary header, optional JSON metadata, raw tensor frames.
+"""pskv's wire format: a fixed binary header, optional JSON metadata, raw payload frames.
 
 A message is a list of frames (one zmq multipart message)::
 
-    frame 0   header: struct HEADER (60 bytes, little-endian)
-    frame 1   JSON metadata, present iff header.meta_len > 0 (UTF-8, at most MAX_META bytes)
-    frame 2.. payload: raw bytes of contiguous tensors (dtype and shape are known from the key
-              or given in the metadata), never pickled
+    frame 0   header: struct HEADER (20 bytes, little-endian): magic b"PSKV", version, type,
+              request id, metadata length
+    frame 1   JSON metadata, present iff the metadata length is not 0 (UTF-8, at most MAX_META bytes)
+    frame 2.. payload: a table of rows (see :class:`Layout`), then raw bytes of contiguous tensors
+              (their dtype and size are known from the key), never pickled
 
-Header fields: magic ``b"PSKV"``, version, message type, flags, sender node id, request id,
-key, part, three general integers ``a``, ``b``, ``c`` whose meaning depends on the type (listed
-with :class:`Type`), and the metadata length. Decoding checks every field and raises
+Data requests (INIT, PUSH, PULL) carry many parts of many keys in one message, one row per part
+(ps-lite's KVPairs); their answers list the rows answered so far (:data:`ANSWER`), so a request is
+answered part by part as rounds complete. Decoding checks every field and raises
 :class:`~pskv.errors.ProtocolError` on anything malformed; nothing received is ever evaluated.
 
-This module imports nothing else from pskv but the errors, and imports torch only inside the
-tensor helpers, so the scheduler (which moves control messages only) does not load torch.
+This module imports nothing else from pskv but the errors, and torch only inside the tensor
+helpers, so the scheduler (control messages only) does not load torch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import array
 import enum
 import json
 import struct
-from collections.abc import Sequence
+from collections import namedtuple
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
@@ -32,52 +34,93 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"PSKV"
-VERSION = 1
+VERSION = 2
 MAX_META = 1 << 20
-HEADER = struct.Struct("<4sBBHqQQIqqqI")
+HEADER = struct.Struct("<4sBBxxqI")
 
 Buffer = Union[bytes, bytearray, memoryview, Any]  # Any: zmq.Frame, numpy arrays
 
 
 class Type(enum.IntEnum):
-    """Message types. ``a``/``b``/``c`` are the header's general integers."""
+    """Message types, with what their metadata (meta) and payload carry."""
 
     # node <-> scheduler
-    REGISTER = 1  # meta: role, host, port, pid, hostname, worker_id/server_id (optional)
-    NODES = 2  # meta: the node table; a: this node's rank, b: this node's id
-    BARRIER = 3  # meta: group ("worker", "server", "all"); a: barrier sequence number
-    BARRIER_DONE = 4  # a: barrier sequence number
+    REGISTER = 1  # meta: role, endpoint, host, hostname, pid, shm_host, id (optional)
+    NODES = 2  # meta: rank (this node's), servers, workers (the node table)
+    BARRIER = 3  # meta: group ("worker", "server", "all"), value (optional, JSON)
     HEARTBEAT = 5
     HEARTBEAT_ACK = 6
     FINALIZE = 7  # a worker is done (closed its store)
-    WORKER_LEFT = 8  # a: the rank of a worker that finished
+    WORKER_LEFT = 8  # meta: rank of a worker that finished
     NODE_FAILED = 9  # meta: role, rank, host, pid, reason
     SHUTDOWN = 10
     # worker <-> server
-    INIT = 20  # meta: dtype, shape, numel, name, mode, row_sparse; frame: the value (rank 0 only)
-    PUSH = 21  # frames: dense part, or (rows, values) with SPARSE, or codec payloads with COMPRESSED
-    PULL = 22  # a: how many pushes of this part the worker has issued (the round it must see)
-    ROW_PULL = 23  # frame: int64 row ids local to the part
-    SET_OPTIMIZER = 24  # meta: optimizer description, keep_states
+    HELLO = 19  # meta: rank, answers (true on the connection the worker reads answers from)
+    INIT = 20  # meta: mode, parts [[key, part, dtype, numel, row_numel, row_sparse, name]]; payload: values (rank 0)
+    PUSH = 21  # payload: PUSH rows, then the frames the rows announce; meta: codec (compressed rows)
+    PULL = 22  # payload: PULL rows, then a row-id frame per row that asks for rows
+    SET_OPTIMIZER = 24  # meta: optimizer (description), keep_states
     GET_STATES = 25
-    SET_STATES = 26  # meta: per-part state layout; frames: state tensors
+    SET_STATES = 26  # meta: optimizer, num_update, parts [{key, part, step, names}]; payload: state tensors
     SHM_PROBE = 27  # meta: pid, fd, token of the worker's arena; the reply: the server's
-    HELLO = 28  # a worker's receiving connection introduces itself (answered OK)
     # replies (req_id matches the request)
-    OK = 40
-    DATA = 41  # frames: tensors
+    OK = 40  # payload of an answer to INIT/PUSH: ANSWER rows (the entries answered)
+    DATA = 41  # payload: ANSWER rows, then the frames they announce (PULL); or tensors (GET_STATES)
     ERROR = 42  # meta: kind (an exception class name from pskv.errors), message
 
 
-class Flag(enum.IntFlag):
-    NONE = 0
-    SPARSE = 1  # payload is (row ids, row values)
-    COMPRESSED = 2  # payload is one codec frame per device value; meta holds the codec
-    SHM = 4  # payload is in shared memory: a = the owner's fd, b = offset, c = bytes (pid: node table)
-    BATCH = 8  # many parts in one message: the first payload frame is an index (see pack_index)
+class Layout:
+    """A table of int64 rows with named columns: the index frame of a batched message.
+
+    >>> PULL.pack([(3, 0, 1, 1, 0)]); PULL.unpack(frame)[0].round
+    """
+
+    def __init__(self, name: str, *columns: str):
+        self.name = name
+        self.width = len(columns)
+        self._make: Callable[[Iterable[int]], Any] = namedtuple(name, columns)._make  # type: ignore[attr-defined]
+
+    def pack(self, rows: Sequence[Sequence[int]]) -> bytes:
+        flat = array.array("q")
+        for row in rows:
+            if len(row) != self.width:
+                raise ValueError(f"a {self.name} row has {self.width} columns, got {len(row)}")
+            flat.extend(row)
+        return flat.tobytes()
+
+    def count(self, frame: Buffer) -> int:
+        """How many rows ``frame`` holds."""
+        return _buf(frame).nbytes // (8 * self.width)
+
+    def unpack(self, frame: Buffer) -> list[Any]:
+        """The rows of ``frame``; :class:`ProtocolError` unless it is ``n x width`` int64."""
+        buf = _buf(frame)
+        if buf.nbytes % (8 * self.width):
+            raise ProtocolError(f"a {self.name} table of {buf.nbytes} bytes is not rows of {self.width} int64")
+        values = array.array("q")
+        values.frombytes(buf.tobytes())
+        make = self._make
+        return [make(values[i : i + self.width]) for i in range(0, len(values), self.width)]
 
 
-_KNOWN_FLAGS = int(Flag.SPARSE | Flag.COMPRESSED | Flag.SHM | Flag.BATCH)
+class PushKind(enum.IntEnum):
+    """How a pushed part's gradient travels (the ``kind`` column of a PUSH row)."""
+
+    DENSE = 0  # one frame of the part's bytes, or none when the bytes are in shared memory (fd >= 0)
+    SPARSE = 1  # two frames: int64 row ids local to the part, and those rows' values
+    COMPRESSED = 2  # ``frames`` codec payloads (one per device value), codec named in the meta
+
+
+#: a pushed part: ``frames`` payload frames follow in row order; ``fd`` >= 0: the dense bytes are
+#: at ``offset`` in the sender's shared-memory arena ``fd`` instead
+PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset")
+#: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
+#: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
+#: ids (int64, local to the part) come in the next row-id frame
+PULL = Layout("PullRow", "key", "part", "round", "shm", "rows")
+#: an answered entry of a batched request: ``entry`` is its row; ``fd`` >= 0: the value is at
+#: ``offset`` (``nbytes``) of the server's arena ``fd``; -1: in the next payload frame (DATA only)
+ANSWER = Layout("AnswerRow", "entry", "fd", "offset", "nbytes")
 
 
 @dataclass
@@ -86,22 +129,15 @@ class Message:
 
     type: Type
     req_id: int = 0
-    key: int = 0
-    part: int = 0
-    a: int = 0
-    b: int = 0
-    c: int = 0
-    flags: Flag = Flag.NONE
-    sender: int = -1
     meta: dict[str, Any] | None = None
     frames: list[Buffer] = field(default_factory=list)
 
-    def reply(self, type: Type, **kw: Any) -> Message:
-        """A reply to this message (same request id, key and part)."""
-        return Message(type, req_id=self.req_id, key=self.key, part=self.part, **kw)
+    def reply(self, type: Type, meta: dict[str, Any] | None = None, frames: list[Buffer] | None = None) -> Message:
+        """A reply to this message (same request id)."""
+        return Message(type, self.req_id, meta, frames or [])
 
     def __str__(self) -> str:
-        return f"{self.type.name}(req={self.req_id}, key={self.key}, part={self.part}, frames={len(self.frames)})"
+        return f"{self.type.name}(req={self.req_id}, frames={len(self.frames)})"
 
 
 def encode(msg: Message) -> list[Buffer]:
@@ -109,9 +145,7 @@ def encode(msg: Message) -> list[Buffer]:
     meta = b"" if msg.meta is None else json.dumps(msg.meta, separators=(",", ":"), allow_nan=False).encode()
     if len(meta) > MAX_META:
         raise ProtocolError(f"metadata of {msg} is {len(meta)} bytes; at most {MAX_META}")
-    head = HEADER.pack(
-        MAGIC, VERSION, int(msg.type), int(msg.flags), msg.sender, msg.req_id, msg.key, msg.part, msg.a, msg.b, msg.c, len(meta)
-    )
+    head = HEADER.pack(MAGIC, VERSION, int(msg.type), msg.req_id, len(meta))
     return [head, meta, *msg.frames] if meta else [head, *msg.frames]
 
 
@@ -128,7 +162,7 @@ def decode(frames: Sequence[Buffer]) -> Message:
     head = _buf(frames[0])
     if head.nbytes != HEADER.size:
         raise ProtocolError(f"header is {head.nbytes} bytes, expected {HEADER.size}")
-    magic, version, mtype, flags, sender, req_id, key, part, a, b, c, meta_len = HEADER.unpack(head)
+    magic, version, mtype, req_id, meta_len = HEADER.unpack(head)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}")
     if version != VERSION:
@@ -137,9 +171,6 @@ def decode(frames: Sequence[Buffer]) -> Message:
         kind = Type(mtype)
     except ValueError:
         raise ProtocolError(f"unknown message type {mtype}") from None
-    if flags & ~_KNOWN_FLAGS:
-        raise ProtocolError(f"unknown flags {flags}")
-    flag = Flag(flags)
     meta = None
     rest = list(frames[1:])
     if meta_len:
@@ -154,27 +185,7 @@ def decode(frames: Sequence[Buffer]) -> Message:
             raise ProtocolError(f"metadata is not JSON: {exc}") from None
         if not isinstance(meta, dict):
             raise ProtocolError("metadata must be a JSON object")
-    return Message(kind, req_id, key, part, a, b, c, flag, sender, meta, rest)
-
-
-def pack_index(rows: Sequence[Sequence[int]], cols: int) -> bytes:
-    """An index frame: ``rows`` of ``cols`` int64 each (a batched message's table of parts)."""
-    flat = array.array("q")
-    for row in rows:
-        if len(row) != cols:
-            raise ValueError(f"index rows have {cols} columns, got {len(row)}")
-        flat.extend(row)
-    return flat.tobytes()
-
-
-def unpack_index(frame: Buffer, cols: int) -> list[tuple[int, ...]]:
-    """The rows of an index frame; :class:`ProtocolError` if it is not ``n x cols`` int64."""
-    buf = _buf(frame)
-    if buf.nbytes % (8 * cols):
-        raise ProtocolError(f"an index frame of {buf.nbytes} bytes is not a table of {cols} int64 columns")
-    values = array.array("q")
-    values.frombytes(buf.tobytes())
-    return [tuple(values[i : i + cols]) for i in range(0, len(values), cols)]
+    return Message(kind, req_id, meta, rest)
 
 
 def error_reply(request: Message, exc: BaseException) -> Message:
@@ -220,15 +231,12 @@ def torch_dtype(name: object) -> torch.dtype:
 
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("tensor_frame needs a contiguous CPU tensor")
-    view: Any = t.reshape(-1).view(_byte_dtype()).numpy()
+    view: Any = t.reshape(-1).view(torch.uint8).numpy()
     return memoryview(view)
-
-
-def nbytes(frame: Buffer) -> int:
-    """The size of a payload frame in bytes."""
-    return _buf(frame).nbytes
 
 
 def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
@@ -239,7 +247,7 @@ def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) ->
     import torch
 
     buf = _buf(frame)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if numel is None:
         if buf.nbytes % itemsize:
             raise ProtocolError(f"payload of {buf.nbytes} bytes is not a whole number of {dtype} elements")
@@ -251,9 +259,3 @@ def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) ->
     if numel == 0:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(buf, dtype=dtype)
-
-
-def _byte_dtype() -> torch.dtype:
-    import torch
-
-    return torch.uint8

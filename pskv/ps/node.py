@@ -33,7 +33,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, DeadlineExceeded, NodeFailedError, error_class
 from .message import Message, Type
-from .van import PeerUnreachable, Received, Van, ZmqVan
+from .van import PeerUnreachable, Received, Van
 
 ROLES = ("scheduler", "server", "worker")
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -194,7 +194,7 @@ def raise_error_reply(msg: Message, context: str = "") -> None:
 
 
 class Node:
-    """This process's seat in a job: its van, rank, the node table, heartbeats.
+    """This process's seat in a job: its van, rank, the node table, heartbeats to the scheduler.
 
     Owned by one thread (the server's loop or the worker client's I/O thread).
     """
@@ -202,7 +202,7 @@ class Node:
     def __init__(self, env: JobEnv, van: Optional[Van] = None):
         self.env = env
         self.role = env.role
-        self.van = van or ZmqVan()
+        self.van = van or Van()
         self.rank = -1
         self.servers: list[dict[str, Any]] = []
         self.workers: list[dict[str, Any]] = []
@@ -210,12 +210,12 @@ class Node:
         self.hb_timeout = config.heartbeat_timeout()
         self._next_hb = 0.0
         self._last_heard = time.monotonic()
-        self.early: list[Received] = []  # data messages that arrived while joining
+        self.early: list[Received] = []  # messages from other nodes that arrived while joining
 
     def join(self, endpoint: Optional[str]) -> None:
         """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``)."""
         env = self.env
-        self.van.connect("scheduler", env.scheduler_endpoint, identity=self.role)
+        self.van.connect("scheduler", env.scheduler_endpoint)
         meta: dict[str, Any] = {
             "role": self.role,
             "endpoint": endpoint,
@@ -224,10 +224,9 @@ class Node:
             "pid": os.getpid(),
             "shm_host": host_identity(),
         }
-        if env.worker_id is not None:
-            meta["id"] = env.worker_id
-        if env.server_id is not None:
-            meta["id"] = env.server_id
+        wanted = env.worker_id if self.role == "worker" else env.server_id
+        if wanted is not None:
+            meta["id"] = wanted
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
         deadline = time.monotonic() + wait
@@ -247,10 +246,10 @@ class Node:
                 elif msg.type == Type.ERROR:
                     raise_error_reply(msg, f"the scheduler refused this {self.role}: ")
                 elif msg.type == Type.NODES:
-                    assert msg.meta is not None
-                    self.rank = msg.a
-                    self.servers = list(msg.meta["servers"])
-                    self.workers = list(msg.meta["workers"])
+                    table = msg.meta or {}
+                    self.rank = int(table["rank"])
+                    self.servers = list(table["servers"])
+                    self.workers = list(table["workers"])
                     self._last_heard = time.monotonic()
                     return
 
@@ -279,7 +278,8 @@ class Node:
     def heard_from_scheduler(self) -> None:
         self._last_heard = time.monotonic()
 
-    def failure_text(self, msg: Message) -> str:
-        """The text of a NODE_FAILED message."""
-        meta = msg.meta or {}
-        return f"{describe_node(meta)} failed: {meta.get('reason', 'unknown reason')}"
+
+def failure_text(msg: Message) -> str:
+    """The text of a NODE_FAILED message."""
+    meta = msg.meta or {}
+    return f"{describe_node(meta)} failed: {meta.get('reason', 'unknown reason')}"

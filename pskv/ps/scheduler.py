@@ -27,7 +27,7 @@ from .. import config
 from ..errors import ClusterError, DeadlineExceeded, NodeFailedError
 from .message import Message, Type, error_reply
 from .node import JobEnv, describe_node
-from .van import Van, ZmqVan
+from .van import Van
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Scheduler:
 
     def __init__(self, env: JobEnv, van: Optional[Van] = None, endpoint: Optional[str] = None):
         self.env = env
-        self.van = van or ZmqVan()
+        self.van = van or Van()
         self.endpoint = endpoint or env.scheduler_endpoint
         self.nodes: dict[str, _Node] = {}
         self.started = False
@@ -184,7 +184,7 @@ class Scheduler:
         }
         for n in self.nodes.values():
             n.last_seen = time.monotonic()
-            self._send(n, Message(Type.NODES, a=n.rank, meta=table))
+            self._send(n, Message(Type.NODES, meta={"rank": n.rank, **table}))
         self.started = True
         self._say("all nodes registered; job started")
 
@@ -254,7 +254,7 @@ class Scheduler:
         node.finished = True
         self._send(node, msg.reply(Type.OK))
         self._say(f"{node} finished")
-        self._broadcast(Message(Type.WORKER_LEFT, a=node.rank), roles=("server",))
+        self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
         for group in list(self.barriers):
             if node in self._group(group):
                 self._fail_barrier(group, NodeFailedError(f"{node} finished while a barrier of the {group}s waited for it"))

@@ -1,9 +1,12 @@
 """Requests a worker has sent and not yet seen answered, each with a deadline.
 
-The I/O thread opens a :class:`Request` when it queues a message and closes it when the answer
-arrives (running the request's ``on_reply`` there, e.g. copying pulled bytes into place). User
-threads :meth:`Tracker.wait` on requests. Nothing waits forever: a request past its deadline
-is failed with a :class:`~pskv.errors.DeadlineExceeded` that says what was asked of whom.
+The client opens a :class:`Request` when it sends a message; the I/O thread closes it when the
+answer arrives, running the request's ``on_reply`` there (e.g. copying pulled bytes into place).
+A batched request (INIT, PUSH, PULL: one row per part) is answered part by part and completes
+when every part is. User threads :meth:`Tracker.wait` on requests. Nothing waits forever: a
+request past its deadline fails with a :class:`~pskv.errors.DeadlineExceeded` that says what
+was asked of whom. A push that fails makes the next call on the store fail (nobody waits on
+pushes), and any wait in progress too, since the round it waits for may never come.
 """
 
 from __future__ import annotations
@@ -14,28 +17,29 @@ from collections.abc import Callable, Iterable
 from typing import Optional
 
 from ..errors import DeadlineExceeded, PSKVError
-from .message import Flag, Message, Type, unpack_index
+from .message import ANSWER, Message, Type
 from .node import raise_error_reply
 
 OnReply = Callable[[Message], None]
-_INDEX_COLS = 4  # answers to batched requests index their parts as (entry, fd, offset, bytes)
+BATCHED = (Type.INIT, Type.PUSH, Type.PULL)  # answered part by part, with ANSWER rows
 
 
 class Request:
     """One outstanding request. ``done`` is set when answered or failed."""
 
-    __slots__ = ("deadline", "done", "error", "on_reply", "peer", "remaining", "req_id", "waited", "what")
+    __slots__ = ("deadline", "done", "error", "kind", "on_reply", "peer", "remaining", "req_id", "sent", "what")
 
-    def __init__(self, req_id: int, what: str, peer: str, on_reply: Optional[OnReply], deadline: float, waited: bool, entries: int = 1):
+    def __init__(self, req_id: int, kind: Type, what: str, peer: str, on_reply: Optional[OnReply], deadline: float, entries: int):
         self.req_id = req_id
-        self.remaining = entries  # a batched request is answered part by part
+        self.kind = kind
         self.what = what
         self.peer = peer
         self.on_reply = on_reply
         self.deadline = deadline
-        self.waited = waited  # someone will wait() on it; otherwise errors are deferred
+        self.remaining = entries
         self.done = threading.Event()
         self.error: Optional[BaseException] = None
+        self.sent: Optional[Callable[[float], bool]] = None  # true once the payload buffers may be reused
 
 
 class Tracker:
@@ -46,12 +50,12 @@ class Tracker:
         self._lock = threading.Lock()
         self._open: dict[int, Request] = {}
         self._next = 1
-        self.deferred: list[BaseException] = []  # errors of requests nobody waits for
+        self._failed_pushes: list[BaseException] = []
 
-    def open(self, what: str, peer: str, on_reply: Optional[OnReply] = None, waited: bool = True, entries: int = 1) -> Request:
+    def open(self, kind: Type, what: str, peer: str, on_reply: Optional[OnReply] = None, entries: int = 1) -> Request:
         """A new request; a batched one (``entries`` parts) completes when every part is answered."""
         with self._lock:
-            req = Request(self._next, what, peer, on_reply, time.monotonic() + self.timeout, waited, entries)
+            req = Request(self._next, kind, what, peer, on_reply, time.monotonic() + self.timeout, entries)
             self._next += 1
             self._open[req.req_id] = req
             return req
@@ -61,22 +65,21 @@ class Tracker:
             return len(self._open)
 
     def answer(self, msg: Message) -> None:
-        """Handle an answer to an open request (I/O thread). Unknown ids are ignored.
+        """Handle an answer to an open request (I/O thread); unknown ids are ignored.
 
-        A batched answer (``Flag.BATCH``) covers some parts of its request; the request completes
-        when all are answered. An ERROR fails the whole request.
+        An ERROR fails the whole request; an answer to a batched request covers the parts its
+        ANSWER rows list.
         """
         with self._lock:
             req = self._open.get(msg.req_id)
             if req is None:
                 return
-            parts = len(unpack_index(msg.frames[0], _INDEX_COLS)) if msg.flags & Flag.BATCH and msg.type != Type.ERROR and msg.frames else req.remaining
-            req.remaining -= parts
-            if req.remaining <= 0 or msg.type == Type.ERROR:
-                del self._open[msg.req_id]
-                last = True
+            if msg.type != Type.ERROR and req.kind in BATCHED and msg.frames:
+                req.remaining -= ANSWER.count(msg.frames[0])
             else:
-                last = False
+                req.remaining = 0
+            if req.remaining <= 0:
+                del self._open[msg.req_id]
         try:
             if msg.type == Type.ERROR:
                 raise_error_reply(msg, f"{req.what}: ")
@@ -87,29 +90,27 @@ class Tracker:
                 self._open.pop(msg.req_id, None)
             self._finish(req, exc)
             return
-        if last:
+        if req.remaining <= 0:
             self._finish(req, None)
 
     def _finish(self, req: Request, exc: Optional[BaseException]) -> None:
         req.error = exc
-        if exc is not None and not req.waited:
+        if exc is not None and req.kind == Type.PUSH:
             with self._lock:
-                self.deferred.append(exc)
+                self._failed_pushes.append(exc)
         req.done.set()
 
-    def fail(self, req_id: int, exc: BaseException) -> None:
+    def fail(self, req: Request, exc: BaseException) -> None:
         """Fail one request (e.g. its message could not be sent)."""
         with self._lock:
-            req = self._open.pop(req_id, None)
-        if req is not None:
-            self._finish(req, exc)
+            self._open.pop(req.req_id, None)
+        self._finish(req, exc)
 
-    def fail_all(self, exc: BaseException, peer: Optional[str] = None) -> None:
-        """Fail every open request (to ``peer`` only, if given)."""
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every open request."""
         with self._lock:
-            victims = [r for r in self._open.values() if peer is None or r.peer == peer]
-            for r in victims:
-                del self._open[r.req_id]
+            victims = list(self._open.values())
+            self._open.clear()
         for r in victims:
             self._finish(r, exc)
 
@@ -120,20 +121,14 @@ class Tracker:
             for r in late:
                 del self._open[r.req_id]
         for r in late:
-            self._finish(
-                r,
-                DeadlineExceeded(f"{r.what}: {r.peer} did not answer within {self.timeout:g} s (PSKV_TIMEOUT plus a margin)"),
-            )
+            self._finish(r, DeadlineExceeded(f"{r.what}: {r.peer} did not answer within {self.timeout:g} s (PSKV_TIMEOUT plus a margin)"))
 
     def wait(self, reqs: Iterable[Request]) -> None:
         """Block until every request is answered; raise the first error among them."""
         first: Optional[BaseException] = None
         for r in reqs:
             while not r.done.wait(0.25):
-                # a push that failed on a server may be why this answer is not coming: say so now
-                late = self.take_deferred()
-                if late is not None:
-                    raise late
+                self.raise_failed_push()  # it may be why this answer is not coming
                 if time.monotonic() > r.deadline + 5.0:  # the I/O thread is gone; do not hang
                     raise DeadlineExceeded(f"{r.what}: no answer from {r.peer} and the I/O thread stopped expiring requests")
             if r.error is not None and first is None:
@@ -143,9 +138,9 @@ class Tracker:
                 raise type(first)(str(first)) from first
             raise first
 
-    def take_deferred(self) -> Optional[BaseException]:
+    def raise_failed_push(self) -> None:
+        """Raise the error of a push that failed since the last call, if any."""
         with self._lock:
-            if not self.deferred:
-                return None
-            exc = self.deferred.pop(0)
-            return exc
+            exc = self._failed_pushes.pop(0) if self._failed_pushes else None
+        if exc is not None:
+            raise exc

@@ -1,23 +1,21 @@
-"""The transport seam: a :class:`Van` moves messages between this node and its peers.
+"""The transport: a :class:`Van` moves messages between this node and its peers, over zmq.
 
 A node *listens* on one endpoint (servers and the scheduler; clients reach it there) and
 *connects* to the endpoints of the peers it talks to. Peers are named by strings: the name given
-to :meth:`Van.connect` for outgoing connections, and ``"client:<hex>"`` for a client that
-reached our listening endpoint (replies go back to that name).
+to :meth:`Van.connect` for outgoing connections, and ``"client:<hex>"`` for a connection that
+reached our listening endpoint (replies go back to that name). A ROUTER socket listens, a
+DEALER per outgoing connection; payload frames are sent without copying. With ``inproc://``
+endpoints (one shared zmq context) a whole cluster runs inside one process, which the unit tests
+use.
 
-:class:`ZmqVan` is the implementation: a zmq ROUTER for the listening endpoint, a DEALER per
-outgoing connection, payload frames sent without copying. With ``inproc://`` endpoints (one
-shared zmq context) a whole cluster runs inside one process, which the unit tests use.
-
-A van belongs to one thread; only :meth:`Van.wake` may be called from others.
+A van belongs to one thread, except :meth:`Van.wake` (any thread) and the connections opened
+with ``receive=False``, which one other thread may send on.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Optional, Union
 
@@ -33,55 +31,8 @@ class PeerUnreachable(ClusterError):
     """A message could not even be queued for a peer (it has no live connection)."""
 
 
-class Van(ABC):
-    """Moves :class:`~pskv.ps.message.Message`\\s; owned by one thread."""
-
-    @abstractmethod
-    def listen(self, endpoint: str) -> str:
-        """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint."""
-
-    @abstractmethod
-    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None, receive: bool = True) -> None:
-        """Open a connection named ``peer`` to ``endpoint``.
-
-        ``identity`` is how the peer sees us (made unique when it has no ``/``). A connection
-        with ``receive=False`` is only sent on, and may be used by a thread other than the
-        van's owner (one at a time): a worker's calling thread sends requests on one, while
-        the answers come back on another connection, which the I/O thread polls.
-        """
-
-    @abstractmethod
-    def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
-        """Queue ``msg`` for ``peer`` and return; payload buffers must stay unchanged until sent.
-
-        Never blocks: a peer that cannot take the message raises :class:`PeerUnreachable`. With
-        ``track``, returns ``wait(timeout) -> bool``, true once the payload buffers are no
-        longer needed (the bytes are with the kernel), so the caller may reuse them.
-        """
-
-    @abstractmethod
-    def recv(self, timeout: float) -> list[Received]:
-        """Messages that arrived, waiting up to ``timeout`` seconds for the first (or a wake-up).
-
-        A message that does not decode is returned as a :class:`ProtocolError` so the owner can
-        answer its sender.
-        """
-
-    @abstractmethod
-    def wake(self) -> None:
-        """Make a blocked :meth:`recv` return now; safe from any thread."""
-
-    @abstractmethod
-    def peer_identity(self, peer: str) -> str:
-        """The identity a client gave in :meth:`connect` (``"worker:3"``), for a client peer."""
-
-    @abstractmethod
-    def close(self, linger: float = 1.0) -> None:
-        """Close every connection, trying for ``linger`` seconds to deliver what is queued."""
-
-
-class ZmqVan(Van):
-    """:class:`Van` on pyzmq. Payload frames are sent with ``copy=False``."""
+class Van:
+    """Moves :class:`~pskv.ps.message.Message`\\s over zmq sockets."""
 
     MAX_BATCH = 256  # messages taken from one socket per recv, so no peer starves the others
 
@@ -105,6 +56,7 @@ class ZmqVan(Van):
         return sock
 
     def listen(self, endpoint: str) -> str:
+        """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint."""
         if self._router is not None:
             raise RuntimeError("this van already listens")
         sock = self._socket(zmq.ROUTER)
@@ -120,12 +72,16 @@ class ZmqVan(Van):
         bound = sock.getsockopt(zmq.LAST_ENDPOINT)
         return bound.decode() if isinstance(bound, bytes) else str(bound)
 
-    def connect(self, peer: str, endpoint: str, identity: Optional[str] = None, receive: bool = True) -> None:
+    def connect(self, peer: str, endpoint: str, receive: bool = True) -> None:
+        """Open a connection named ``peer`` to ``endpoint``.
+
+        A connection with ``receive=False`` is only sent on, and may be used by a thread other
+        than the van's owner (one at a time): a worker's calling thread sends requests on one,
+        while the answers come back on another connection, which the I/O thread polls.
+        """
         if peer in self._dealers:
             raise RuntimeError(f"already connected to {peer}")
         sock = self._socket(zmq.DEALER)
-        ident = identity if identity and "/" in identity else f"{identity or 'node'}/{uuid.uuid4().hex[:12]}"
-        sock.setsockopt(zmq.IDENTITY, ident.encode())
         sock.connect(endpoint)
         self._dealers[peer] = sock
         self._names[sock] = peer
@@ -133,16 +89,23 @@ class ZmqVan(Van):
             self._poller.register(sock, zmq.POLLIN)
 
     def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
+        """Queue ``msg`` for ``peer`` and return; payload buffers must stay unchanged until sent.
+
+        Never blocks: a peer that cannot take the message raises :class:`PeerUnreachable`. With
+        ``track``, returns ``wait(timeout) -> bool``, true once the payload buffers are no
+        longer needed (the bytes are with the kernel), so the caller may reuse them.
+        """
         frames = encode(msg)
         try:
             if peer.startswith("client:"):
                 if self._router is None:
                     raise RuntimeError("no listening socket to reply on")
-                tracker = self._router.send_multipart([bytes.fromhex(peer[7:]), *frames], zmq.NOBLOCK, copy=False, track=track)
+                frames = [bytes.fromhex(peer[7:]), *frames]
+                tracker = self._router.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
             else:
                 tracker = self._dealers[peer].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
-        except zmq.Again:
-            raise PeerUnreachable(f"{peer} has no live connection; {msg.type.name} was not sent") from None
+        except (zmq.Again, zmq.ZMQError) as exc:
+            raise PeerUnreachable(f"{peer} has no live connection; {msg.type.name} was not sent ({exc})") from None
         if not track or tracker is None:
             return None
         done = tracker
@@ -157,14 +120,17 @@ class ZmqVan(Van):
         return wait
 
     def recv(self, timeout: float) -> list[Received]:
+        """Messages that arrived, waiting up to ``timeout`` seconds for the first (or a wake-up).
+
+        A message that does not decode is returned as a :class:`ProtocolError` so the owner can
+        answer its sender.
+        """
         out: list[Received] = []
         for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
             if isinstance(sock, int):
-                try:
+                with contextlib.suppress(BlockingIOError):
                     while os.read(sock, 4096):
                         pass
-                except BlockingIOError:
-                    pass
                 continue
             for _ in range(self.MAX_BATCH):
                 try:
@@ -183,16 +149,15 @@ class ZmqVan(Van):
         return out
 
     def wake(self) -> None:
+        """Make a blocked :meth:`recv` return now; safe from any thread."""
         fd = self._wake_w
         if fd < 0:
             return
         with contextlib.suppress(OSError):  # a wake-up is already pending, or the van is closed
             os.write(fd, b"!")
 
-    def peer_identity(self, peer: str) -> str:
-        return bytes.fromhex(peer[7:]).decode(errors="replace").split("/")[0] if peer.startswith("client:") else peer
-
     def close(self, linger: float = 1.0) -> None:
+        """Close every connection, trying for ``linger`` seconds to deliver what is queued."""
         if self._closed:
             return
         self._closed = True

@@ -71,8 +71,8 @@ def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.Monkey
         assert bool(kv._shm_servers) == (shm == "1")  # type: ignore[attr-defined]
         kv.init(keys, [torch.zeros(1000, 1000 + k) for k in keys])  # 2 parts each: one per server
         sends = []
-        real = kv._send_batch  # type: ignore[attr-defined]
-        kv._send_batch = lambda server, b, sent: (sends.append(len(b.rows)), real(server, b, sent))  # type: ignore[attr-defined]
+        real = kv._send_push  # type: ignore[attr-defined]
+        kv._send_push = lambda server, b: (sends.append(len(b.rows)), real(server, b))[1]  # type: ignore[attr-defined]
         kv.push(keys, [torch.full((1000, 1000 + k), float(kv.rank + 1 + k)) for k in keys])
         outs = [torch.empty(1000, 1000 + k) for k in keys]
         kv.pull(keys, outs)
@@ -283,7 +283,7 @@ def test_start_timeout_names_what_is_missing(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_dead_scheduler_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSKV_HEARTBEAT_TIMEOUT", "1")
-    from pskv.ps.client import WorkerClient
+    from pskv.ps.client import SCHEDULER, WorkerClient
     from pskv.ps.node import JobEnv
 
     root = "inproc://no-scheduler-here"
@@ -295,12 +295,12 @@ def test_dead_scheduler_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
         client.servers = [{"rank": 0, "endpoint": "inproc://nowhere"}]
         client.workers = [{"rank": 0}]
         client.rank = 0
-        client.van.connect("scheduler", root, identity="worker")
+        client.van.connect("scheduler", root)
         import threading
 
         client._thread = threading.Thread(target=client._loop, daemon=True)
         client._thread.start()
-        req = client.submit("scheduler", Message(Type.BARRIER, meta={"group": "worker"}), "barrier")
+        req = client.send(SCHEDULER, Message(Type.BARRIER, meta={"group": "worker"}), "barrier")
         with pytest.raises(pskv.NodeFailedError, match=r"scheduler .* has not answered"):
             client.wait([req])
         client._stop = True
@@ -312,9 +312,8 @@ def test_dead_scheduler_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
 # -- hostile input --------------------------------------------------------------------------------
 
 
-def _raw_client(endpoint: str, identity: bytes) -> zmq.Socket[bytes]:
+def _raw_client(endpoint: str) -> zmq.Socket[bytes]:
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(endpoint)
@@ -324,29 +323,40 @@ def _raw_client(endpoint: str, identity: bytes) -> zmq.Socket[bytes]:
 def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(inproc_job: Job) -> None:
     import pickle
 
+    from pskv.ps.message import PULL, PUSH
+
     job = inproc_job(1, 1)
     with job.worker() as kv:
         kv.init(0, torch.ones(4))
         endpoint = kv._client.servers[0]["endpoint"]  # type: ignore[attr-defined]
-        bad = _raw_client(endpoint, b"worker:0/hostile")
-        stranger = _raw_client(endpoint, b"somebody/else")
+        bad = _raw_client(endpoint)  # says HELLO as worker 0, then misbehaves
+        stranger = _raw_client(endpoint)  # never says HELLO
+        bad.send_multipart(encode(Message(Type.HELLO, meta={"rank": 0, "answers": True})))
+        assert decode(bad.recv_multipart()).type == Type.OK
 
         class Evil:
             def __reduce__(self) -> tuple[Any, ...]:
                 return (print, ("pwned",))
 
+        def init(**part: Any) -> list[Any]:
+            spec = {"key": 1, "part": 0, "dtype": "float32", "numel": 1, "row_numel": 1, "row_sparse": False, "name": "1", **part}
+            return encode(Message(Type.INIT, meta={"mode": "sync", "parts": [list(spec.values())]}))
+
         cases = [
             [b"garbage"],
             [b"\x00" * HEADER.size],
-            [HEADER.pack(MAGIC, 1, 99, 0, -1, 1, 0, 0, 0, 0, 0, 0)],
+            [HEADER.pack(MAGIC, 2, 99, 1, 0)],
             [pickle.dumps(Evil())],
-            encode(Message(Type.PUSH, key=0, frames=[b"\x00" * 3])),  # wrong size
-            encode(Message(Type.PUSH, key=42, frames=[b"\x00" * 16])),  # unknown key
-            encode(Message(Type.INIT, key=1, meta={"dtype": "object", "numel": 1, "row_numel": 1, "mode": "sync"})),
-            encode(Message(Type.INIT, key=1, meta={"dtype": "float32", "numel": -5, "row_numel": 1, "mode": "sync"})),
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 1, 0, 1, -1, 0)]), b"\x00" * 3])),  # wrong size
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(42, 0, 1, 0, 1, -1, 0)]), b"\x00" * 16])),  # unknown key
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 5, 0, 1, -1, 0)]), b"\x00" * 16])),  # a round skipped
+            encode(Message(Type.PUSH, frames=[b"\x00" * 7])),  # not a table
+            init(dtype="object"),
+            init(numel=-5),
             encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd", "hyper": {"learning_rate": "import os"}}})),
             encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "__import__"}})),
-            encode(Message(Type.ROW_PULL, key=0, frames=[tensor_frame(torch.tensor([99]))])),
+            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 1)]), tensor_frame(torch.tensor([99]))])),  # row out of range
+            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 3, 0, 0)])])),  # a round never pushed
             encode(Message(Type.SHUTDOWN)),
         ]
         for frames in cases:
@@ -354,8 +364,8 @@ def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(
             reply = decode(bad.recv_multipart())
             assert reply.type == Type.ERROR, frames
             assert (reply.meta or {}).get("kind") in ("ProtocolError", "KeyNotInitializedError", "OptimizerError"), reply.meta
-        stranger.send_multipart(encode(Message(Type.PULL, key=0)))
-        assert "requests come from workers" in (decode(stranger.recv_multipart()).meta or {})["message"]
+        stranger.send_multipart(encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 0)])])))
+        assert "has not said HELLO" in (decode(stranger.recv_multipart()).meta or {})["message"]
         bad.close()
         stranger.close()
         kv.push(0, torch.full((4,), 3.0))  # still serving, values intact

@@ -10,9 +10,11 @@ import torch
 
 from pskv.errors import ProtocolError
 from pskv.ps.message import (
+    ANSWER,
     HEADER,
     MAGIC,
-    Flag,
+    PULL,
+    PUSH,
     Message,
     Type,
     decode,
@@ -26,17 +28,31 @@ from pskv.ps.message import (
 
 def test_roundtrip_with_meta_and_frames() -> None:
     t = torch.arange(6, dtype=torch.float32)
-    msg = Message(Type.PUSH, req_id=7, key=3, part=1, a=-2, b=5, c=9, flags=Flag.SPARSE, sender=4, meta={"x": [1, 2]}, frames=[tensor_frame(t)])
+    msg = Message(Type.PUSH, req_id=7, meta={"x": [1, 2]}, frames=[tensor_frame(t)])
     back = decode([bytes(memoryview(f)) if not isinstance(f, bytes) else f for f in encode(msg)])
-    assert (back.type, back.req_id, back.key, back.part, back.a, back.b, back.c) == (Type.PUSH, 7, 3, 1, -2, 5, 9)
-    assert back.flags == Flag.SPARSE and back.sender == 4 and back.meta == {"x": [1, 2]}
+    assert (back.type, back.req_id, back.meta) == (Type.PUSH, 7, {"x": [1, 2]})
     assert torch.equal(frame_tensor(back.frames[0], torch.float32, 6), t)
 
 
 def test_no_meta_means_no_meta_frame() -> None:
-    frames = encode(Message(Type.PULL, key=1))
+    frames = encode(Message(Type.PULL, req_id=1))
     assert len(frames) == 1 and len(frames[0]) == HEADER.size
     assert decode(frames).meta is None
+
+
+def test_layouts_name_their_columns() -> None:
+    rows = [(3, 1, 2, 0, 1, -1, 0), (4, 0, 9, 2, 3, 5, 4096)]
+    frame = PUSH.pack(rows)
+    assert PUSH.count(frame) == 2 and len(frame) == 2 * 7 * 8
+    back = PUSH.unpack(frame)
+    assert [tuple(r) for r in back] == rows
+    assert (back[1].key, back[1].round, back[1].kind, back[1].frames, back[1].fd, back[1].offset) == (4, 9, 2, 3, 5, 4096)
+    assert PULL.unpack(PULL.pack([(7, 0, 1, 1, 0)]))[0].shm == 1
+    assert ANSWER.unpack(ANSWER.pack([(0, -1, 0, 16)]))[0].nbytes == 16
+    with pytest.raises(ValueError, match="PullRow row has 5 columns"):
+        PULL.pack([(1, 2)])
+    with pytest.raises(ProtocolError, match="not rows of 5 int64"):
+        PULL.unpack(b"\x00" * 24)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float64])
@@ -54,8 +70,8 @@ def test_tensor_frame_is_a_view_not_a_copy() -> None:
 
 
 def _head(**kw: int) -> bytes:
-    f = {"magic": MAGIC, "version": 1, "type": int(Type.PULL), "flags": 0, "meta_len": 0, **kw}
-    return HEADER.pack(f["magic"], f["version"], f["type"], f["flags"], -1, 0, 0, 0, 0, 0, 0, f["meta_len"])
+    f = {"magic": MAGIC, "version": 2, "type": int(Type.PULL), "meta_len": 0, **kw}
+    return HEADER.pack(f["magic"], f["version"], f["type"], 0, f["meta_len"])
 
 
 @pytest.mark.parametrize(
@@ -66,7 +82,6 @@ def _head(**kw: int) -> bytes:
         ([b"\x00" * HEADER.size], "bad magic"),
         ([_head(version=9)], "wire version 9"),
         ([_head(type=99)], "unknown message type 99"),
-        ([_head(flags=64)], "flags 64"),
         ([_head(meta_len=10)], "without a metadata frame"),
         ([_head(meta_len=3), b"{}"], "metadata frame is 2 bytes"),
         ([_head(meta_len=4), b"{no}"], "not JSON"),

@@ -1,0 +1,402 @@
+"""A server's parts and their rounds, as a pure state machine: no sockets, no threads.
+
+The server (:mod:`pskv.ps.server`) decodes each request into tensors and hands it to
+:class:`Rounds`; every method checks the whole request before it changes anything, and returns
+the :class:`Answer`\\s to send now. A request that waits (a pull for a round still open, a
+push in shared memory not merged yet, an INIT whose value has not arrived) is kept here and
+answered by whichever later call completes it. A backup server feeds the same engine.
+
+Per part (a slice of a key, :mod:`pskv.ps.partition`), values kept as ``rows x row_numel``:
+
+- **INIT**: every worker declares the part; worker 0's INIT brings the value. A worker's INIT
+  is answered once the value is there, so every worker's first pull sees worker 0's weights.
+- **PUSH**, sync: each worker's pushes queue; a round completes when every worker has one
+  queued: they are summed, the optimizer runs (or the sum replaces the value), and the pulls
+  that wait for that round are answered. A worker's second push waits for the next round.
+  Async: applied on arrival (needs an optimizer). A push carries its round (the worker's count
+  of its pushes of the part): one seen before is acknowledged and not applied again, and in
+  sync mode a round skipped is an error.
+- **PULL** for round r (the pushes of the part its worker has sent): answered once r rounds are
+  complete, with the stored value itself (it cannot change before that worker pushes again);
+  async: at once, a snapshot.
+- A worker that **finishes** (closes its store) fails at once every round that still needs it;
+  :meth:`Rounds.expire` fails what waited longer than the timeout, naming who is missing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ..errors import (
+    DeadlineExceeded,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    NodeFailedError,
+    OptimizerError,
+    OptimizerRequiredError,
+    ProtocolError,
+    PSKVError,
+    ShapeMismatchError,
+)
+from ..optim import KeyState, Optimizer, apply_push
+
+PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
+
+
+@dataclass(eq=False)
+class Answer:
+    """What to send for one entry of a request (``entry`` -1: the whole request)."""
+
+    req: Any  # who asked: the server's handle, opaque here
+    entry: int = -1
+    value: Optional[Tensor] = None  # a pull's data
+    part: Optional[Part] = None  # set when ``value`` is ``part.value`` itself (no copy was made)
+    error: Optional[PSKVError] = None
+
+
+@dataclass(eq=False)
+class Waiting:
+    """An entry of a request kept until something happens (its round, its value)."""
+
+    req: Any
+    entry: int
+    round: int = 0  # pulls and pushes: the round they belong to
+    rows: Optional[Tensor] = None  # pulls of some rows only
+    since: float = field(default_factory=time.monotonic)
+
+
+class InitEntry(NamedTuple):
+    key: int
+    part: int
+    name: str
+    dtype: torch.dtype
+    numel: int
+    row_numel: int
+    row_sparse: bool
+    value: Optional[Tensor]  # worker 0's, flat
+
+
+class PushEntry(NamedTuple):
+    part: Part
+    round: int
+    grad: Tensor  # rows x row_numel, dense or row-sparse
+    ack_when_merged: bool  # the bytes are the worker's (shared memory): it may reuse them once merged
+
+
+class PullEntry(NamedTuple):
+    part: Part
+    round: int
+    rows: Optional[Tensor] = None  # int64 row ids local to the part, checked
+
+
+@dataclass(eq=False)
+class Part:
+    key: int
+    index: int
+    name: str
+    dtype: torch.dtype
+    numel: int
+    row_numel: int
+    row_sparse: bool
+    mode: str  # "sync" | "async"
+    value: Optional[Tensor] = None  # rows x row_numel, once worker 0's INIT arrived
+    home: Any = None  # where the server keeps the value (its shared-memory slot), opaque here
+    scratch: Optional[Tensor] = None  # where a round's pushes are summed before the optimizer runs
+    initialised_by: set[int] = field(default_factory=set)
+    inits: list[Waiting] = field(default_factory=list)  # INITs answered when the value arrives
+    rounds: int = 0  # rounds completed
+    pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
+    queued: dict[int, deque[tuple[Tensor, Optional[Waiting]]]] = field(default_factory=dict)  # not merged yet
+    pulls: list[Waiting] = field(default_factory=list)
+
+    @property
+    def rows(self) -> int:
+        return self.numel // self.row_numel
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def state_key(self) -> int:
+        return self.key << PART_BITS | self.index
+
+    def __str__(self) -> str:
+        return f"key {self.name} part {self.index}"
+
+
+class Rounds:
+    """Every part one server holds, its rounds and the requests that wait on them. Single-threaded.
+
+    ``storage(part)`` makes room for a part's value (``rows x row_numel``); the server puts it in
+    shared memory. ``timeout`` is how long a request may wait (``PSKV_TIMEOUT``).
+    """
+
+    def __init__(self, num_workers: int, timeout: float, storage: Optional[Callable[[Part], Tensor]] = None):
+        self.workers = range(num_workers)
+        self.timeout = timeout
+        self.storage = storage or (lambda p: torch.empty(p.rows, p.row_numel, dtype=p.dtype))
+        self.parts: dict[tuple[int, int], Part] = {}
+        self.optimizer: Optional[Optimizer] = None
+        self.finished: set[int] = set()  # workers that closed their store
+
+    def part(self, key: int, index: int) -> Part:
+        """The part ``(key, index)`` with its value; :class:`KeyNotInitializedError` if there is none yet."""
+        p = self.parts.get((key, index))
+        if p is None or p.value is None:
+            raise KeyNotInitializedError(f"key {key} part {index} was never initialised on this server")
+        return p
+
+    # -- init -------------------------------------------------------------------------------------
+
+    def init(self, req: Any, rank: int, mode: str, entries: list[InitEntry]) -> list[Answer]:
+        """Declare parts of a ``mode`` ("sync" or "async") store (and, from worker 0, set their
+        values); each entry is answered once its value is there."""
+        if mode not in ("sync", "async"):
+            raise ProtocolError(f"INIT for a store of mode {mode!r}")
+        for e in entries:
+            p = self.parts.get((e.key, e.part))
+            if e.numel < 0 or e.row_numel < 1 or e.numel % e.row_numel:
+                raise ProtocolError(f"bad INIT of key {e.name} part {e.part}: numel {e.numel}, row_numel {e.row_numel}")
+            if (e.value is not None) != (rank == 0):
+                raise ProtocolError(f"key {e.name}: worker 0 sends the init value, and only worker 0")
+            if p is None:
+                continue
+            if (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
+                raise ShapeMismatchError(
+                    f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} ({mode}), "
+                    f"another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must create the same store type "
+                    "and init the same keys in the same order"
+                )
+            if rank in p.initialised_by:
+                raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
+        out: list[Answer] = []
+        for i, e in enumerate(entries):
+            p = self.parts.get((e.key, e.part))
+            if p is None:
+                p = self.parts[(e.key, e.part)] = Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, e.row_sparse, mode)
+            p.initialised_by.add(rank)
+            p.inits.append(Waiting(req, i))
+            if e.value is not None:
+                p.value = self.storage(p)
+                p.value.view(-1).copy_(e.value)
+            if p.value is not None:
+                out += [Answer(w.req, w.entry) for w in p.inits]
+                p.inits = []
+        return out
+
+    # -- push -------------------------------------------------------------------------------------
+
+    def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
+        """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
+        for e in entries:
+            p = e.part
+            if p.mode == "async" and self.optimizer is None:
+                raise OptimizerRequiredError(
+                    f"key {p.name}: dist_async applies pushes on the servers and needs an optimizer; call set_optimizer first"
+                )
+            if p.mode == "sync" and rank in self.finished:
+                raise NodeFailedError(f"worker {rank} pushed after it finished")
+            expected = p.pushed.get(rank, 0) + 1
+            if e.round > expected and p.mode == "sync":  # async: rounds skipped by rejected pushes do not matter
+                raise ProtocolError(f"{p}: worker {rank} pushed round {e.round} but its next round is {expected}")
+        out: list[Answer] = []
+        touched: dict[int, Part] = {}
+        for i, e in enumerate(entries):
+            p = e.part
+            if e.round < p.pushed.get(rank, 0) + 1:  # sent again (after a failover): applied once only
+                out.append(Answer(req, i))
+                continue
+            p.pushed[rank] = e.round
+            if p.mode == "async":
+                assert p.value is not None
+                apply_push(self.optimizer, p.state_key, e.grad, p.value)
+                out.append(Answer(req, i))
+                continue
+            ack = Waiting(req, i, e.round) if e.ack_when_merged else None
+            p.queued.setdefault(rank, deque()).append((e.grad, ack))
+            if ack is None:
+                out.append(Answer(req, i))
+            touched[id(p)] = p
+        for p in touched.values():
+            out += self._complete(p)
+            out += self._fail_blocked(p)
+        return out
+
+    def _complete(self, p: Part) -> list[Answer]:
+        """Merge every round of ``p`` that has one push from each worker; answer who waited for them."""
+        out: list[Answer] = []
+        while all(p.queued.get(r) for r in self.workers):
+            entries = [p.queued[r].popleft() for r in self.workers]
+            self._merge_and_apply(p, [g for g, _ in entries])
+            out += [Answer(ack.req, ack.entry) for _, ack in entries if ack is not None]
+            p.rounds += 1
+            ready = [w for w in p.pulls if w.round <= p.rounds]
+            p.pulls = [w for w in p.pulls if w.round > p.rounds]
+            out += [self._answer(p, w) for w in ready]
+        return out
+
+    def _merge_and_apply(self, p: Part, grads: list[Tensor]) -> None:
+        """Sum one push of every worker and apply it to the value (the optimizer or assignment)."""
+        assert p.value is not None
+        if any(g.is_sparse for g in grads):
+            if all(g.is_sparse for g in grads):
+                merged = torch.sparse_coo_tensor(
+                    torch.cat([g._indices() for g in grads], dim=1), torch.cat([g._values() for g in grads]), grads[0].shape
+                ).coalesce()
+            else:
+                merged = torch.stack([g.to_dense() for g in grads]).sum(0)
+            apply_push(self.optimizer, p.state_key, merged, p.value)
+        elif self.optimizer is None:  # the sum replaces the value: made there, in one pass
+            _sum_into(p.value, grads)
+        else:  # the optimizer works inside the scratch buffer: no full-size temporaries per round
+            if p.scratch is None:
+                p.scratch = torch.empty_like(p.value)
+            apply_push(self.optimizer, p.state_key, _sum_into(p.scratch, grads), p.value, merged_is_scratch=True)
+
+    # -- pull -------------------------------------------------------------------------------------
+
+    def pull(self, req: Any, rank: int, entries: list[PullEntry]) -> list[Answer]:
+        """Answer each entry now if its round is complete (async: always), else when it is."""
+        for e in entries:
+            p = e.part
+            if p.mode == "sync" and e.round > p.pushed.get(rank, 0):
+                raise ProtocolError(f"{p}: worker {rank} pulls round {e.round} but pushed only {p.pushed.get(rank, 0)}")
+            if e.rows is not None and e.rows.numel() and (int(e.rows.min()) < 0 or int(e.rows.max()) >= p.rows):
+                raise ProtocolError(f"{p}: row ids outside [0, {p.rows})")
+            blocker = self._blocker(p, e.round) if p.mode == "sync" and e.round > p.rounds else None
+            if blocker:
+                raise NodeFailedError(blocker)
+        out: list[Answer] = []
+        for i, e in enumerate(entries):
+            w = Waiting(req, i, e.round, e.rows)
+            if e.part.mode == "async" or e.round <= e.part.rounds:
+                out.append(self._answer(e.part, w))
+            else:
+                e.part.pulls.append(w)
+        return out
+
+    def _answer(self, p: Part, w: Waiting) -> Answer:
+        assert p.value is not None
+        if w.rows is not None:
+            return Answer(w.req, w.entry, p.value.index_select(0, w.rows))
+        if p.mode == "async":
+            return Answer(w.req, w.entry, p.value.clone())
+        return Answer(w.req, w.entry, p.value, part=p)
+
+    # -- rounds that cannot complete ---------------------------------------------------------------
+
+    def _blocker(self, p: Part, round: int) -> Optional[str]:
+        """Why ``round`` of ``p`` can never complete (a worker finished without pushing it), or None."""
+        missing = [r for r in sorted(self.finished) if p.pushed.get(r, 0) < round]
+        if not missing:
+            return None
+        who = ", ".join(f"worker {r}" for r in missing)
+        return f"{who} finished (closed its store) without pushing key {p.name} for round {round - 1}; the round can never complete"
+
+    def _fail_blocked(self, p: Part) -> list[Answer]:
+        """Fail the pulls and merge-acknowledgements of ``p`` that wait for a round that cannot come."""
+        if not self.finished:
+            return []
+        reachable = p.rounds + min(len(p.queued.get(r, ())) for r in self.finished)
+        out = []
+        for w in [w for w in p.pulls if w.round > reachable]:
+            p.pulls.remove(w)
+            out.append(Answer(w.req, w.entry, error=NodeFailedError(self._blocker(p, w.round) or "the round can never complete")))
+        for q in p.queued.values():
+            while len(q) > reachable - p.rounds:
+                _, ack = q.pop()
+                if ack is not None:
+                    out.append(Answer(ack.req, ack.entry, error=NodeFailedError(self._blocker(p, ack.round) or "the round can never complete")))
+        return out
+
+    def finish(self, rank: int) -> list[Answer]:
+        """Worker ``rank`` closed its store: fail every round that still needs it."""
+        self.finished.add(rank)
+        return [a for p in self.parts.values() for a in self._fail_blocked(p)]
+
+    def expire(self, now: float) -> list[Answer]:
+        """Fail the requests that waited longer than the timeout, saying what they wait for."""
+        out = []
+        for p in self.parts.values():
+            for w in [w for w in p.pulls if now - w.since > self.timeout]:
+                p.pulls.remove(w)
+                missing = [r for r in self.workers if p.rounds + len(p.queued.get(r, ())) < w.round]
+                got = [r for r in self.workers if r not in missing]
+                exc = DeadlineExceeded(
+                    f"the pull of key {p.name} (part {p.index}) waited {now - w.since:.0f} s (PSKV_TIMEOUT={self.timeout:g}) "
+                    f"for round {w.round - 1}: workers {missing} have not pushed key {p.name} in that round (pushed: {got})"
+                )
+                out.append(Answer(w.req, w.entry, error=exc))
+            for w in [w for w in p.inits if now - w.since > self.timeout]:
+                p.inits.remove(w)
+                exc = DeadlineExceeded(
+                    f"key {p.name} (part {p.index}) has no value after {now - w.since:.0f} s (PSKV_TIMEOUT={self.timeout:g}): "
+                    f"worker 0 sends the init value and has not; workers that called init: {sorted(p.initialised_by)}"
+                )
+                out.append(Answer(w.req, w.entry, error=exc))
+        return out
+
+    def fail_all(self, exc: PSKVError) -> list[Answer]:
+        """The job is over (a node failed): fail everything that waits."""
+        out = []
+        for p in self.parts.values():
+            acks = [ack for q in p.queued.values() for _, ack in q if ack is not None]
+            out += [Answer(w.req, w.entry, error=exc) for w in (*p.pulls, *p.inits, *acks)]
+            p.pulls, p.inits = [], []
+            p.queued.clear()
+        return out
+
+    # -- optimizer ----------------------------------------------------------------------------------
+
+    def set_optimizer(self, desc: Any, keep_states: bool) -> None:
+        """Install the optimizer ``desc`` describes. The same description again changes nothing;
+        ``keep_states`` (the worker passed the same optimizer object again, with new
+        hyperparameters) keeps the states; otherwise they start afresh."""
+        new = Optimizer.from_description(desc)
+        cur = self.optimizer
+        if cur is not None and cur.describe() == new.describe():
+            return
+        if cur is not None and keep_states:
+            if cur.name != new.name:
+                raise OptimizerError(f"cannot change optimizer {cur.name!r} to {new.name!r} and keep its states")
+            new.states, new.num_update = cur.states, cur.num_update
+        self.optimizer = new
+
+    def states(self) -> list[tuple[Part, KeyState]]:
+        """Every part's optimizer state (parts no update reached yet have none)."""
+        opt = self.optimizer
+        if opt is None:
+            return []
+        return [(p, opt.states[p.state_key]) for p in self.parts.values() if p.state_key in opt.states]
+
+    def load_states(self, desc: Any, num_update: int, entries: Iterable[tuple[Part, int, dict[str, Tensor]]]) -> None:
+        """Install saved states (checked against the optimizer first); an optimizer is set from ``desc`` if there is none."""
+        opt = self.optimizer if self.optimizer is not None else Optimizer.from_description(desc)
+        if opt.name != desc.get("name"):
+            raise OptimizerError(f"the states are for {desc.get('name')!r} but the servers run {opt.name!r}")
+        new = {}
+        for p, step, tensors in entries:
+            opt.check_state(p.name, tensors, p.value if p.value is not None else torch.empty(0))
+            new[p.state_key] = KeyState(step, {n: t.clone().view(p.rows, p.row_numel) for n, t in tensors.items()})
+        self.optimizer = opt
+        opt.states.update(new)
+        opt.num_update = max(opt.num_update, num_update)
+
+
+def _sum_into(out: Tensor, grads: list[Tensor]) -> Tensor:
+    """``out = sum(grads)`` without temporaries."""
+    if len(grads) == 1:
+        out.copy_(grads[0])
+    else:
+        torch.add(grads[0], grads[1], out=out)
+        for g in grads[2:]:
+            out.add_(g)
+    return out
