@@ -1,0 +1,211 @@
+"""The round engine on its own: requests in, answers out, no sockets and no threads.
+
+Values are checked against SPEC.md section 3: W workers pushing ``(rank+1)*ones`` to a key
+initialised to ones give ``W(W+1)/2`` without an optimizer, and ``1 - lr*r*W(W+1)/2*(i+1)``
+after round i with ``sgd(learning_rate=lr, rescale_grad=r)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+import pskv
+from pskv.errors import (
+    DeadlineExceeded,
+    DuplicateInitError,
+    KeyNotInitializedError,
+    NodeFailedError,
+    OptimizerError,
+    OptimizerRequiredError,
+    ProtocolError,
+    ShapeMismatchError,
+)
+from pskv.ps.rounds import Answer, InitEntry, PullEntry, PushEntry, Rounds
+
+
+def entry(key: int = 0, numel: int = 4, value: Optional[torch.Tensor] = None, row_numel: int = 1) -> InitEntry:
+    return InitEntry(key, 0, str(key), torch.float32, numel, row_numel, False, value)
+
+
+def made(workers: int, numel: int = 4, mode: str = "sync") -> Rounds:
+    """An engine whose key 0 every worker has initialised to ones."""
+    r = Rounds(workers, timeout=10.0)
+    for rank in range(workers):
+        r.init(f"init {rank}", rank, mode, [entry(numel=numel, value=torch.ones(numel) if rank == 0 else None)])
+    return r
+
+
+def answered(answers: list[Answer]) -> list[tuple[Any, int]]:
+    assert all(a.error is None for a in answers), [a.error for a in answers]
+    return [(a.req, a.entry) for a in answers]
+
+
+def push(r: Rounds, rank: int, round_: int, value: float, numel: int = 4, ack_when_merged: bool = False) -> list[Answer]:
+    return r.push(f"push {rank}/{round_}", rank, [PushEntry(r.part(0, 0), round_, torch.full((numel, 1), value), ack_when_merged)])
+
+
+def test_init_waits_for_worker_0s_value_and_checks_every_worker() -> None:
+    r = Rounds(2, timeout=10.0)
+    assert r.init("w1", 1, "sync", [entry()]) == []  # no value yet: the INIT waits
+    with pytest.raises(KeyNotInitializedError):
+        r.part(0, 0)
+    with pytest.raises(ShapeMismatchError, match=r"initialised it as 5 x torch\.float32"):
+        r.init("w0", 0, "sync", [entry(numel=5, value=torch.ones(5))])
+    with pytest.raises(ShapeMismatchError, match=r"\(async\)"):
+        r.init("w0", 0, "async", [entry(value=torch.ones(4))])
+    with pytest.raises(ProtocolError, match="worker 0 sends the init value, and only worker 0"):
+        r.init("w0", 0, "sync", [entry()])
+    with pytest.raises(ProtocolError, match="mode 'fast'"):
+        r.init("w0", 0, "fast", [entry(value=torch.ones(4))])
+    assert r.parts[(0, 0)].value is None and r.parts[(0, 0)].initialised_by == {1}  # the failures changed nothing
+    assert sorted(answered(r.init("w0", 0, "sync", [entry(value=torch.arange(4.0))]))) == [("w0", 0), ("w1", 0)]
+    assert torch.equal(r.part(0, 0).value.view(-1), torch.arange(4.0))
+    with pytest.raises(DuplicateInitError, match="already initialised by worker 1"):
+        r.init("again", 1, "sync", [entry()])
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_round_is_one_push_of_every_worker(workers: int) -> None:
+    r = made(workers)
+    for rank in range(workers - 1):
+        push(r, rank, 1, rank + 1.0)
+        assert r.part(0, 0).rounds == 0
+    push(r, workers - 1, 1, float(workers))
+    assert r.part(0, 0).rounds == 1
+    assert torch.all(r.part(0, 0).value == workers * (workers + 1) / 2)  # no optimizer: the sum replaces the value
+
+
+def test_sgd_on_the_server_follows_the_formula() -> None:
+    workers, lr, rescale = 3, 0.1, 0.5
+    r = made(workers)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=lr, rescale_grad=rescale).describe(), keep_states=False)
+    for i in range(3):
+        for rank in range(workers):
+            push(r, rank, i + 1, rank + 1.0)
+        want = 1 - lr * rescale * workers * (workers + 1) / 2 * (i + 1)
+        assert torch.allclose(r.part(0, 0).value, torch.full((4, 1), want))
+
+
+def test_a_second_push_waits_for_the_next_round_and_pulls_wait_for_their_round() -> None:
+    r = made(2)
+    p = r.part(0, 0)
+    push(r, 0, 1, 1.0)
+    push(r, 0, 2, 10.0)  # worker 0 twice: still round 0
+    assert p.rounds == 0
+    assert r.pull("pull0", 0, [PullEntry(p, 2)]) == []  # waits for round 2
+    got = r.push("push1", 1, [PushEntry(p, 1, torch.full((4, 1), 2.0), False)])
+    assert p.rounds == 1 and torch.all(p.value == 3.0)
+    assert answered(got) == [("push1", 0)]  # the pull of round 2 still waits
+    got = r.push("push1b", 1, [PushEntry(p, 2, torch.full((4, 1), 20.0), False)])
+    assert p.rounds == 2 and sorted(answered(got), key=str) == [("pull0", 0), ("push1b", 0)]
+    pulled = next(a for a in got if a.req == "pull0")
+    assert pulled.part is p and pulled.value is p.value and torch.all(pulled.value == 30.0)  # the stored value, no copy
+
+
+def test_pushes_in_shared_memory_are_acknowledged_once_merged() -> None:
+    r = made(2)
+    assert push(r, 0, 1, 1.0, ack_when_merged=True) == []
+    got = push(r, 1, 1, 2.0, ack_when_merged=True)
+    assert sorted(answered(got)) == [("push 0/1", 0), ("push 1/1", 0)]
+
+
+def test_a_push_sent_twice_is_applied_once_and_a_skipped_round_is_refused() -> None:
+    r = made(1)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0).describe(), keep_states=False)
+    push(r, 0, 1, 1.0)
+    assert answered(push(r, 0, 1, 1.0)) == [("push 0/1", 0)]  # acknowledged, not applied again
+    assert torch.all(r.part(0, 0).value == 0.0)
+    with pytest.raises(ProtocolError, match="pushed round 3 but its next round is 2"):
+        push(r, 0, 3, 1.0)
+    assert r.part(0, 0).rounds == 1 and r.part(0, 0).pushed == {0: 1}
+
+
+def test_pull_checks_its_round_and_rows_first() -> None:
+    r = made(1, numel=6)
+    p = r.part(0, 0)
+    with pytest.raises(ProtocolError, match="pulls round 1 but pushed only 0"):
+        r.pull("x", 0, [PullEntry(p, 0), PullEntry(p, 1)])
+    with pytest.raises(ProtocolError, match=r"row ids outside \[0, 6\)"):
+        r.pull("x", 0, [PullEntry(p, 0, torch.tensor([6]))])
+    p.value.view(-1).copy_(torch.arange(6.0))
+    (a,) = r.pull("rows", 0, [PullEntry(p, 0, torch.tensor([4, 1]))])
+    assert a.part is None and a.value.view(-1).tolist() == [4.0, 1.0]
+
+
+def test_async_applies_on_arrival_and_needs_an_optimizer() -> None:
+    r = made(2, mode="async")
+    p = r.part(0, 0)
+    with pytest.raises(OptimizerRequiredError, match="needs an optimizer"):
+        push(r, 0, 1, 1.0)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=0.5).describe(), keep_states=False)
+    push(r, 0, 2, 1.0)  # round 1 was refused; async does not mind the gap
+    push(r, 1, 1, 2.0)
+    assert torch.all(p.value == 1 - 0.5 * 3)
+    (a,) = r.pull("snap", 1, [PullEntry(p, 5)])  # async: at once, a snapshot
+    assert a.part is None and a.value is not p.value and torch.equal(a.value, p.value)
+
+
+def test_sparse_pushes_are_merged_as_rows() -> None:
+    r = Rounds(2, timeout=10.0)
+    for rank in range(2):
+        r.init(rank, rank, "sync", [entry(numel=6, row_numel=2, value=torch.zeros(6) if rank == 0 else None)])
+    p = r.part(0, 0)
+    for rank, rows in enumerate(([0, 2], [2])):
+        g = torch.sparse_coo_tensor(torch.tensor([rows]), torch.ones(len(rows), 2), (3, 2))
+        r.push(rank, rank, [PushEntry(p, 1, g, False)])
+    assert p.value.tolist() == [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]  # the sum replaces every row
+
+
+def test_a_finished_worker_fails_the_rounds_that_need_it_at_once() -> None:
+    r = made(2)
+    p = r.part(0, 0)
+    push(r, 0, 1, 1.0, ack_when_merged=True)
+    assert r.pull("pull", 0, [PullEntry(p, 1)]) == []
+    failed = r.finish(1)
+    assert {a.req for a in failed} == {"pull", "push 0/1"}
+    assert all(isinstance(a.error, NodeFailedError) for a in failed)
+    assert "worker 1 finished (closed its store) without pushing key 0 for round 0" in str(failed[0].error)
+    with pytest.raises(NodeFailedError, match="worker 1 finished"):
+        r.pull("later", 0, [PullEntry(p, 1)])
+    with pytest.raises(NodeFailedError, match="pushed after it finished"):
+        push(r, 1, 1, 1.0)
+
+
+def test_expiry_names_the_workers_that_have_not_pushed() -> None:
+    r = made(3)
+    p = r.part(0, 0)
+    push(r, 0, 1, 1.0)
+    r.pull("slow", 0, [PullEntry(p, 1)])
+    assert r.expire(p.pulls[0].since + 5) == []
+    (a,) = r.expire(p.pulls[0].since + 11)
+    assert isinstance(a.error, DeadlineExceeded) and "workers [1, 2] have not pushed key 0" in str(a.error)
+    assert "pushed: [0]" in str(a.error) and p.pulls == []
+    lonely = Rounds(2, timeout=1.0)
+    lonely.init("w1", 1, "sync", [entry(key=5)])
+    (a,) = lonely.expire(lonely.parts[(5, 0)].inits[0].since + 2)
+    assert "worker 0 sends the init value and has not; workers that called init: [1]" in str(a.error)
+
+
+def test_optimizer_states_keep_change_and_are_checked_before_loading() -> None:
+    r = made(1)
+    sgd = pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5)
+    r.set_optimizer(sgd.describe(), keep_states=False)
+    push(r, 0, 1, 1.0)
+    ((p, state),) = r.states()
+    assert torch.all(state.tensors["momentum_buffer"] == 1.0) and state.step == 1
+    sgd.set_learning_rate(0.5)
+    r.set_optimizer(sgd.describe(), keep_states=True)  # new hyperparameters, same states
+    assert r.states()[0][1] is state
+    with pytest.raises(OptimizerError, match="cannot change optimizer 'sgd' to 'adam' and keep its states"):
+        r.set_optimizer(pskv.optim.create("adam").describe(), keep_states=True)
+    with pytest.raises(OptimizerError, match=r"saved states are \['exp_avg'\]"):
+        r.load_states(sgd.describe(), 3, [(p, 7, {"exp_avg": torch.zeros(4)})])
+    with pytest.raises(OptimizerError, match="4 elements"):
+        r.load_states(sgd.describe(), 3, [(p, 7, {"momentum_buffer": torch.zeros(3)})])
+    assert r.states()[0][1] is state and r.optimizer is not None and r.optimizer.num_update == 1  # unchanged
+    r.load_states(sgd.describe(), 3, [(p, 7, {"momentum_buffer": torch.full((4,), 9.0)})])
+    assert r.states()[0][1].step == 7 and torch.all(r.states()[0][1].tensors["momentum_buffer"] == 9.0)
+    assert r.optimizer.num_update == 3
