@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
@@ -492,6 +493,27 @@ class Optimizer:
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise OptimizerError(f"not a pskv optimizer state: {exc!r}") from exc
         self.states, self.num_update = new, num_update
+
+
+STATE_FORMAT = "pskv-optimizer-states/1"
+
+
+def save_states(path: Union[str, Path], state: Mapping[str, Any], key_names: Mapping[int, Any]) -> None:
+    """Write optimizer states (:meth:`Optimizer.state_dict`'s form) to ``path`` with ``torch.save``:
+    tensors, numbers and the optimizer's description, and the user's name of each key."""
+    torch.save({**state, "format": STATE_FORMAT, "key_names": dict(key_names)}, str(path))
+
+
+def load_states(path: Union[str, Path]) -> dict[str, Any]:
+    """Read what :func:`save_states` wrote (``torch.load(weights_only=True)``: nothing in the file
+    is executed); an :class:`~pskv.errors.OptimizerError` if it is not such a file."""
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise OptimizerError(f"cannot read optimizer states from {path}: {exc}") from exc
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise OptimizerError(f"{path} is not a pskv optimizer-state file")
+    return state
 
 
 def create(name: str, **hyper: Any) -> Optimizer:

@@ -35,7 +35,7 @@ from torch import Tensor
 from . import optim
 from .errors import OptimizerError, TrainerError
 from .kv import KVStore, create
-from .kv.base import STATE_FORMAT, Key
+from .kv.base import Key
 
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
@@ -274,23 +274,13 @@ class Trainer:
         """Write the optimizer's states (from the servers when they run it) to ``path``."""
         if self._update_on_kvstore and self._kv is not None:
             self._kv.save_optimizer_states(path)
-            return
-        state = self._optimizer.state_dict()
-        state["format"] = STATE_FORMAT
-        state["key_names"] = dict(enumerate(self._keys))
-        torch.save(state, str(path))
+        else:
+            optim.save_states(path, self._optimizer.state_dict(), dict(enumerate(self._keys)))
 
     def load_states(self, path: Union[str, Path]) -> None:
         """Restore states written by :meth:`save_states` (to the servers when they run the optimizer)."""
         if self._update_on_kvstore and self._kv is not None:
             self._kv.load_optimizer_states(path)
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
-            self._optimizer.num_update = int(state.get("num_update", 0))
-            return
-        try:
-            state = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise OptimizerError(f"cannot read optimizer states from {path}: {exc}") from exc
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise OptimizerError(f"{path} is not a pskv optimizer-state file")
-        self._optimizer.load_state_dict(state, weights=dict(enumerate(self._reps[0])))
+            self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
+        else:
+            self._optimizer.load_state_dict(optim.load_states(path), weights=dict(enumerate(self._reps[0])))

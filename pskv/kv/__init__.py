@@ -16,44 +16,16 @@ type                what it is
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from ..errors import KVStoreError
 from .base import KeyMeta, KVStore
 
-
-def _local(name: str) -> KVStore:
-    from .local import LocalStore
-
-    return LocalStore(name)
-
-
-def _device(name: str) -> KVStore:
-    from .device import DeviceStore
-
-    return DeviceStore(name)
-
-
-def _dist(name: str) -> KVStore:
-    from .dist import create_dist
-
-    return create_dist(name)
-
-
-_FACTORIES: dict[str, Callable[[str], KVStore]] = {
-    "local": _local,
-    "device": _device,
-    "dist_sync": _dist,
-    "dist_device_sync": _dist,
-    "dist_async": _dist,
-}
+TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
 _ALIASES = {
     "dist": "dist_sync",
     "local_update_cpu": "local",
     "local_allreduce_cpu": "local",
     "local_allreduce_device": "device",
 }
-TYPES = tuple(_FACTORIES)
 
 
 def create(name: str = "local") -> KVStore:
@@ -69,10 +41,15 @@ def create(name: str = "local") -> KVStore:
     if not isinstance(name, str):
         raise KVStoreError(f"store type must be a str, got {type(name).__name__}")
     canonical = _ALIASES.get(name, name)
-    if canonical not in _FACTORIES:
-        known = ", ".join([*TYPES, *_ALIASES])
-        raise KVStoreError(f"unknown store type {name!r}; known: {known}")
-    return _FACTORIES[canonical](canonical)
+    if canonical not in TYPES:
+        raise KVStoreError(f"unknown store type {name!r}; known: {', '.join([*TYPES, *_ALIASES])}")
+    if canonical.startswith("dist"):
+        from .dist import create_dist
+
+        return create_dist(canonical)
+    from .local import LocalStore
+
+    return LocalStore(canonical)
 
 
 __all__ = ["TYPES", "KVStore", "KeyMeta", "create"]

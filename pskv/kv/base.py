@@ -24,14 +24,11 @@ from torch import Tensor
 from .. import errors
 from ..compression import Compressor
 from ..ops import is_row_sparse
-from ..optim import Optimizer
+from ..optim import Optimizer, load_states, save_states
 
 Key = Union[int, str]
 KeyArg = Union[Key, Sequence[Key]]
 ValueArg = Union[Tensor, Sequence[Any]]
-
-STATE_FORMAT = "pskv-optimizer-states/1"
-
 
 @dataclass(frozen=True)
 class KeyMeta:
@@ -354,22 +351,13 @@ class KVStore(ABC):
         """
         with self._lock:
             self._check_open()
-            state = self._optimizer_state()
-            state["format"] = STATE_FORMAT
-            state["key_names"] = {m.id: m.key for m in self._keys.values()}
-            torch.save(state, str(fname))
+            save_states(fname, self._optimizer_state(), {m.id: m.key for m in self._keys.values()})
 
     def load_optimizer_states(self, fname: Union[str, Path]) -> None:
         """Restore states written by :meth:`save_optimizer_states` (to the servers for dist types)."""
         with self._lock:
             self._check_open()
-            try:
-                state = torch.load(str(fname), map_location="cpu", weights_only=True)
-            except Exception as exc:
-                raise errors.OptimizerError(f"cannot read optimizer states from {fname}: {exc}") from exc
-            if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-                raise errors.OptimizerError(f"{fname} is not a pskv optimizer-state file")
-            self._load_optimizer_state(state)
+            self._load_optimizer_state(load_states(fname))
 
     def barrier(self) -> None:
         """Block until every worker reaches its barrier (a no-op for in-process stores)."""

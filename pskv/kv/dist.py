@@ -379,10 +379,12 @@ class DistStore(KVStore):
             raise errors.OptimizerError(f"the file holds {desc.get('name')!r} states but the store's optimizer is {self._optimizer.name!r}")
         per_server: dict[int, tuple[list[dict[str, Any]], list[Any]]] = {s: ([], []) for s in range(self.num_servers)}
         by_id = {m.id: m for m in self._keys.values()}
+        opt = self._optimizer or Optimizer.from_description(desc)
         for kid, entry in state["keys"].items():
             meta = by_id.get(int(kid))
             if meta is None:
                 continue
+            opt.check_state(meta.key, entry["tensors"], torch.empty(meta.shape, device="meta"))  # here, before any server changes
             names = sorted(entry["tensors"])
             flats = {n: entry["tensors"][n].to("cpu", meta.dtype).contiguous().view(-1) for n in names}
             for p in self._parts[meta.id]:

@@ -1,7 +1,9 @@
-"""``local``: the whole store in this process; sums and updates on the CPU.
+"""``local`` and ``device``: the whole store in this process.
 
-``device`` (:mod:`pskv.kv.device`) is the same store with the sum made on the device of the
-first pushed tensor and each value kept on the device it was initialised on.
+``local`` sums and updates on the CPU. ``device`` makes the sum on the device of the first pushed
+tensor and keeps each value (and runs the optimizer) on the device it was initialised on, so a
+list of CUDA tensors is reduced and updated without visiting the CPU. On a machine without
+accelerators a list of CPU tensors stands in for several devices.
 """
 
 from __future__ import annotations
@@ -28,14 +30,15 @@ class LocalStore(KVStore):
     def __init__(self, type_name: str = "local"):
         super().__init__(type_name)
         self._values: dict[int, Tensor] = {}
+        self._on_device = type_name == "device"
 
     def _home(self, value: Tensor) -> torch.device:
         """Where a key's value is kept."""
-        return torch.device("cpu")
+        return value.device if self._on_device else torch.device("cpu")
 
     def _merge_device(self, values: list[Tensor]) -> torch.device:
         """Where a push's values are summed."""
-        return torch.device("cpu")
+        return values[0].device if self._on_device else torch.device("cpu")
 
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         for meta, v in items:
