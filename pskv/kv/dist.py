@@ -21,7 +21,6 @@ A process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` serves instead (see
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import time
 import weakref
@@ -91,8 +90,7 @@ class DistStore(KVStore):
         self._batch_bytes = config.batch_bytes()
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
-        self._arenas = shm.Arenas()
-        self._maps = shm.Mappings()
+        self._shared = shm.Shared()
         self._slots: dict[tuple[int, int], tuple[shm.Arena, int, Tensor]] = {}  # (key, part) -> its push slot
         self._slot_push: dict[tuple[int, int], Request] = {}  # the push that may still read a slot
         self._atexit = atexit.register(_close_at_exit, weakref.ref(self))
@@ -120,22 +118,17 @@ class DistStore(KVStore):
         want = shm.mode()
         if want == "0":
             return set()
-        mine = host_identity()
-        arena = self._arenas.first()
         ok: set[int] = set()
         for s, info in enumerate(self._client.servers):
             try:
-                if not mine or info.get("shm_host") != mine:
+                if not host_identity() or info.get("shm_host") != host_identity():
                     raise errors.ProtocolError(f"server {s} ({info.get('hostname')}) is on another host")
                 answer: list[Message] = []
-                probe = Message(Type.SHM_PROBE, meta={"pid": os.getpid(), "fd": arena.fd, "token": arena.token.hex()})
+                probe = Message(Type.SHM_PROBE, meta=self._shared.probe())
                 self._client.wait([self._client.send(s, probe, "shared-memory probe", answer.append)])
-                meta = answer[0].meta or {}
-                if meta.get("pid") != info.get("pid"):
-                    raise errors.ProtocolError(f"server {s} answered the probe from pid {meta.get('pid')}")
-                self._maps.map(int(meta["pid"]), int(meta["fd"]), bytes.fromhex(str(meta["token"])))
+                self._shared.accept(answer[0].meta or {}, int(info["pid"]))
                 ok.add(s)
-            except (errors.ProtocolError, KeyError, ValueError) as exc:
+            except errors.ProtocolError as exc:
                 if want == "1":
                     raise errors.ClusterError(f"PSKV_SHM=1, but shared memory with server {s} failed: {exc}") from None
         return ok
@@ -245,7 +238,7 @@ class DistStore(KVStore):
                 if earlier is not None and not earlier.done.is_set():
                     self._client.wait([earlier])  # the server still reads the slot (its round is open)
                 if where not in self._slots:
-                    arena, offset = self._arenas.slot(p.numel * meta.dtype.itemsize)
+                    arena, offset = self._shared.slot(p.numel * meta.dtype.itemsize)
                     self._slots[where] = (arena, offset, arena.tensor(offset, p.numel, meta.dtype))
                 arena, offset, slot = self._slots[where]
                 slot.copy_(flats[0][p.start : p.stop])
@@ -302,7 +295,7 @@ class DistStore(KVStore):
             for row in ANSWER.unpack(msg.frames[0]):
                 sink, dtype = sinks[row.entry]
                 if row.fd >= 0:
-                    src = self._maps.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
+                    src = self._shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
                 else:
                     src = frame_tensor(next(frames), dtype)
                 if isinstance(sink, Tensor):

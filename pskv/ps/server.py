@@ -69,8 +69,7 @@ class Server(Node):
         super().__init__(env, van)
         self.status: Optional[int] = None
         self.shm = shm.mode() != "0"
-        self.arenas = shm.Arenas()
-        self.maps = shm.Mappings()
+        self.shared = shm.Shared()
         self.ranks: dict[str, int] = {}  # connection -> the worker that said HELLO on it
         self.reply_to: dict[str, str] = {}  # connection -> where the answers to its requests go
         self.routes: dict[int, str] = {}  # worker -> the connection it reads answers from
@@ -269,7 +268,7 @@ class Server(Node):
             if row.fd >= 0 and not payload:
                 if not self.shm:
                     raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-                return self.maps.tensor(int(self.workers[rank]["pid"]), row.fd, row.offset, p.nbytes, p.dtype).view(p.rows, p.row_numel)
+                return self.shared.tensor(int(self.workers[rank]["pid"]), row.fd, row.offset, p.nbytes, p.dtype).view(p.rows, p.row_numel)
             if len(payload) == 1:
                 return frame_tensor(payload[0], p.dtype, p.numel).view(p.rows, p.row_numel)
         elif row.kind == PushKind.SPARSE and len(payload) == 2:
@@ -306,21 +305,16 @@ class Server(Node):
         """Room for a part's value: in shared memory (so pulls are answered with a slot), else private."""
         if not self.shm:
             return torch.empty(p.rows, p.row_numel, dtype=p.dtype)
-        arena, offset = self.arenas.slot(p.nbytes)
+        arena, offset = self.shared.slot(p.nbytes)
         p.home = (arena.fd, offset)
         return arena.tensor(offset, p.numel, p.dtype).view(p.rows, p.row_numel)
 
     def _shm_probe(self, req: _Request, rank: int) -> None:
         """Map the worker's arena (checking its token) and tell it where ours is."""
-        meta = req.msg.meta or {}
         if not self.shm:
             raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-        pid = int(self.workers[rank]["pid"])
-        if meta.get("pid") != pid:
-            raise ProtocolError(f"worker {rank} probed with pid {meta.get('pid')}, but registered pid {pid}")
-        self.maps.map(pid, int(meta["fd"]), bytes.fromhex(str(meta["token"])))
-        arena = self.arenas.first()
-        self._send(req.route, req.msg.reply(Type.OK, meta={"pid": os.getpid(), "fd": arena.fd, "token": arena.token.hex()}))
+        self.shared.accept(req.msg.meta or {}, int(self.workers[rank]["pid"]))
+        self._send(req.route, req.msg.reply(Type.OK, meta=self.shared.probe()))
 
     # -- optimizer states ---------------------------------------------------------------------------
 

@@ -1,14 +1,24 @@
-"""Shared memory between nodes on one host: arenas we own, and the peers' arenas we map.
+"""Shared memory between nodes on one host, and the whole protocol of using it.
 
 An :class:`Arena` is an anonymous memory file (``memfd_create``) mapped into this process and
 carved into slots. A peer on the same host maps it through ``/proc/<pid>/fd/<fd>``: no names
 in ``/dev/shm``, so nothing leaks when a process dies. Each arena starts with a header holding a
-magic string and a random token; :meth:`Mappings.tensor` checks it before any slot is used, and
-a probe at connection time (``SHM_PROBE``) proves both directions work, else the pair uses TCP.
+magic string and a random token, checked before any slot is used.
 
-Worker -> server: the worker sums its device values straight into its slot of the part, and
-sends only a header (fd, offset, bytes). Server -> worker: the stored values live in the
-server's arenas; a pull is answered with a header and the worker copies the bytes out.
+The protocol, worker <-> server (:mod:`pskv.kv.dist`, :mod:`pskv.ps.server`):
+
+1. At connection time, when the node table says both run on one host (same boot and pid
+   namespace), the worker sends SHM_PROBE with :meth:`Shared.probe` of its arena; the server maps
+   it with :meth:`Shared.accept` (the pid must be the worker's registered one, the token must
+   match) and answers with its own, which the worker accepts in turn. If anything fails the
+   pair uses TCP (``PSKV_SHM=1``: it is an error instead).
+2. Push: the worker sums its device values straight into its own slot of the part and sends
+   only the PUSH row (fd, offset). The server reads the slot when it merges the round and
+   acknowledges the push only then (:class:`pskv.ps.rounds.PushEntry` ``ack_when_merged``):
+   until that answer the worker does not write the slot again.
+3. Pull: the server keeps every value in its arenas and answers with (fd, offset, nbytes); the
+   worker copies the bytes out. The value cannot change before that worker pushes again, which
+   it does only after it read the answer.
 
 ``PSKV_SHM``: ``auto`` (default: use shared memory with every peer the probe succeeds with),
 ``0`` (never), ``1`` (require it: a failed probe is an error).
@@ -20,7 +30,7 @@ import mmap
 import os
 import secrets
 import struct
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -69,37 +79,42 @@ class Arena:
         return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset)
 
 
-class Arenas:
-    """This process's arenas: slots come from the newest one; a new arena when it is full."""
+class Shared:
+    """One process's shared memory: the arenas it owns (slots handed out, never freed; a new
+    arena when the newest is full) and the peers' arenas it has mapped, by (pid, fd)."""
 
     def __init__(self) -> None:
-        self.all: list[Arena] = []
-
-    def slot(self, nbytes: int) -> tuple[Arena, int]:
-        if self.all:
-            offset = self.all[-1].alloc(nbytes)
-            if offset is not None:
-                return self.all[-1], offset
-        arena = Arena(max(DEFAULT_ARENA, nbytes + 2 * ALIGN))
-        self.all.append(arena)
-        offset = arena.alloc(nbytes)
-        assert offset is not None
-        return arena, offset
-
-    def first(self) -> Arena:
-        if not self.all:
-            self.all.append(Arena())
-        return self.all[0]
-
-
-class Mappings:
-    """Other processes' arenas, mapped on first use and kept, by (pid, fd)."""
-
-    def __init__(self) -> None:
+        self.arenas: list[Arena] = []
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._views: dict[tuple[int, int, int, int, torch.dtype], torch.Tensor] = {}  # slots are reused every round
 
-    def map(self, pid: int, fd: int, token: Optional[bytes] = None) -> mmap.mmap:
+    def slot(self, nbytes: int) -> tuple[Arena, int]:
+        """A fresh slot of ``nbytes`` in one of our arenas, and its offset."""
+        offset = self.arenas[-1].alloc(nbytes) if self.arenas else None
+        if offset is None:
+            self.arenas.append(Arena(max(DEFAULT_ARENA, nbytes + 2 * ALIGN)))
+            offset = self.arenas[-1].alloc(nbytes)
+        assert offset is not None
+        return self.arenas[-1], offset
+
+    def probe(self) -> dict[str, Any]:
+        """What a peer needs to map our first arena: the SHM_PROBE metadata (and its answer)."""
+        if not self.arenas:
+            self.arenas.append(Arena())
+        first = self.arenas[0]
+        return {"pid": os.getpid(), "fd": first.fd, "token": first.token.hex()}
+
+    def accept(self, probe: Any, pid: int) -> None:
+        """Map the arena a peer's :meth:`probe` describes, if it comes from ``pid`` (the process
+        the node table says) and holds the token; :class:`ProtocolError` otherwise."""
+        try:
+            if probe["pid"] != pid:
+                raise ProtocolError(f"a shared-memory probe from pid {probe['pid']}, but the peer registered pid {pid}")
+            self._map(pid, int(probe["fd"]), bytes.fromhex(str(probe["token"])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"a malformed shared-memory probe: {exc!r}") from None
+
+    def _map(self, pid: int, fd: int, token: Optional[bytes] = None) -> mmap.mmap:
         key = (pid, fd)
         mm = self._maps.get(key)
         if mm is None:
@@ -115,8 +130,7 @@ class Mappings:
                 mm = mmap.mmap(handle, size)
             finally:
                 os.close(handle)
-            magic, _ = HEADER.unpack_from(mm, 0)
-            if magic != MAGIC:
+            if HEADER.unpack_from(mm, 0)[0] != MAGIC:
                 mm.close()
                 raise ProtocolError(f"{path} is not a pskv arena")
             self._maps[key] = mm
@@ -125,18 +139,14 @@ class Mappings:
         return mm
 
     def tensor(self, pid: int, fd: int, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked)."""
+        """A 1-D tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked)."""
         key = (pid, fd, offset, nbytes, dtype)
         view = self._views.get(key)
         if view is None:
-            view = self._views[key] = self._tensor(pid, fd, offset, nbytes, dtype)
+            mm = self._map(pid, fd)
+            size = dtype.itemsize
+            if offset < HEADER.size or nbytes < 0 or offset + nbytes > len(mm) or offset % size or nbytes % size:
+                raise ProtocolError(f"shared-memory slot [{offset}, {offset + nbytes}) is outside pid {pid}'s arena of {len(mm)} bytes")
+            view = torch.frombuffer(mm, dtype=dtype, count=nbytes // size, offset=offset) if nbytes else torch.empty(0, dtype=dtype)
+            self._views[key] = view
         return view
-
-    def _tensor(self, pid: int, fd: int, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        mm = self.map(pid, fd)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offset < HEADER.size or nbytes < 0 or offset + nbytes > len(mm) or offset % itemsize or nbytes % itemsize:
-            raise ProtocolError(f"shared-memory slot [{offset}, {offset + nbytes}) is outside pid {pid}'s arena of {len(mm)} bytes")
-        if nbytes == 0:
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(mm, dtype=dtype, count=nbytes // itemsize, offset=offset)
