@@ -24,10 +24,15 @@
     └── LaunchError                   ``pskv launch`` could not start or keep a job running
 
 Errors raised on a server travel back to the worker as a kind name plus text, and are raised
-there as the class of that name (looked up in this module, never evaluated).
+there as the class of that name (looked up in this module, never evaluated). The errors that
+say what a wait is missing (deadlines, lost and finished nodes) are worded at the end of this
+module, whichever part of the system notices.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 
 class PSKVError(Exception):
@@ -108,6 +113,30 @@ class ProtocolError(ClusterError):
 
 class LaunchError(PSKVError):
     """``pskv launch`` could not start the job or a process of it failed."""
+
+
+# -- what is missing: every error of SPEC section 9 ("never a silent hang") is worded here ------------
+
+
+def deadline(what: str, waited: float, setting: str, limit: float, missing: str) -> DeadlineExceeded:
+    """``what`` waited ``waited`` s, past ``setting``, for ``missing`` (who has not done what)."""
+    return DeadlineExceeded(f"{what} waited {waited:.0f} s ({setting}={limit:g}) for {missing}")
+
+
+def describe_node(info: Mapping[str, Any]) -> str:
+    """``"server 1 (host 10.0.0.2, pid 4242)"`` from a node-table entry."""
+    where = f"host {info.get('hostname') or info.get('host')}, pid {info.get('pid')}"
+    return f"{info.get('role')} {info.get('rank')} ({where})"
+
+
+def node_failed(info: Mapping[str, Any], reason: str) -> NodeFailedError:
+    """A node of the job is gone: which one (role, rank, host, pid) and how it was noticed."""
+    return NodeFailedError(f"{describe_node(info)} failed: {reason}")
+
+
+def finished_without(who: str, what: str) -> NodeFailedError:
+    """A wait that can never end: ``who`` finished (closed its store) without ``what``."""
+    return NodeFailedError(f"{who} finished (closed its store) without {what}; it can never complete")
 
 
 def error_class(kind: str) -> type[PSKVError]:

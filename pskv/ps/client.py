@@ -19,7 +19,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, NodeFailedError, ProtocolError, PSKVError, StoreClosedError
 from .message import PULL, PUSH, Message, Type
-from .node import JobEnv, Node, failure_text
+from .node import JobEnv, Node, failure
 from .tracker import OnReply, Request, Tracker
 from .van import PeerUnreachable, Van
 
@@ -173,7 +173,7 @@ class WorkerClient(Node):
 
     def _control(self, msg: Message) -> None:
         if msg.type == Type.NODE_FAILED:
-            self._die(NodeFailedError(failure_text(msg)))
+            self._die(failure(msg))
         elif msg.type == Type.SHUTDOWN:
             self._die(NodeFailedError("the scheduler shut the job down"))
         elif msg.type in (Type.OK, Type.ERROR, Type.DATA):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .. import config
-from ..errors import ClusterError, DeadlineExceeded, NodeFailedError, error_class
+from ..errors import ClusterError, NodeFailedError, deadline, error_class, node_failed
 from .message import Message, Type
 from .van import PeerUnreachable, Received, Van
 
@@ -180,12 +180,6 @@ def host_identity() -> str:
     return f"{boot}/{ns}"
 
 
-def describe_node(info: Mapping[str, Any]) -> str:
-    """``"server 1 (host 10.0.0.2, pid 4242)"`` from a node-table entry."""
-    where = f"host {info.get('hostname') or info.get('host')}, pid {info.get('pid')}"
-    return f"{info.get('role')} {info.get('rank')} ({where})"
-
-
 def raise_error_reply(msg: Message, context: str = "") -> None:
     """Raise the exception an ERROR message carries (its class looked up by name)."""
     meta = msg.meta or {}
@@ -229,15 +223,12 @@ class Node:
             meta["id"] = wanted
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
-        deadline = time.monotonic() + wait
+        until = time.monotonic() + wait
         while True:
-            left = deadline - time.monotonic()
+            left = until - time.monotonic()
             if left <= 0:
-                raise DeadlineExceeded(
-                    f"{self.role} could not join the job: no node table from the scheduler at "
-                    f"{env.scheduler_endpoint} within {wait:g} s (PSKV_START_TIMEOUT); is the scheduler "
-                    "running, and did every server and worker start?"
-                )
+                missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
+                raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
             for peer, msg in self.van.recv(min(left, 0.5)):
                 if isinstance(msg, Exception):
                     continue
@@ -279,7 +270,7 @@ class Node:
         self._last_heard = time.monotonic()
 
 
-def failure_text(msg: Message) -> str:
-    """The text of a NODE_FAILED message."""
+def failure(msg: Message) -> NodeFailedError:
+    """The error a NODE_FAILED message announces."""
     meta = msg.meta or {}
-    return f"{describe_node(meta)} failed: {meta.get('reason', 'unknown reason')}"
+    return node_failed(meta, str(meta.get("reason", "unknown reason")))

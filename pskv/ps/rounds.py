@@ -35,7 +35,6 @@ import torch
 from torch import Tensor
 
 from ..errors import (
-    DeadlineExceeded,
     DuplicateInitError,
     KeyNotInitializedError,
     NodeFailedError,
@@ -44,6 +43,8 @@ from ..errors import (
     ProtocolError,
     PSKVError,
     ShapeMismatchError,
+    deadline,
+    finished_without,
 )
 from ..optim import KeyState, Optimizer, apply_push
 
@@ -273,7 +274,7 @@ class Rounds:
                 raise ProtocolError(f"{p}: row ids outside [0, {p.rows})")
             blocker = self._blocker(p, e.round) if p.mode == "sync" and e.round > p.rounds else None
             if blocker:
-                raise NodeFailedError(blocker)
+                raise blocker
         out: list[Answer] = []
         for i, e in enumerate(entries):
             w = Waiting(req, i, e.round, e.rows)
@@ -293,13 +294,12 @@ class Rounds:
 
     # -- rounds that cannot complete ---------------------------------------------------------------
 
-    def _blocker(self, p: Part, round: int) -> Optional[str]:
+    def _blocker(self, p: Part, round: int) -> Optional[NodeFailedError]:
         """Why ``round`` of ``p`` can never complete (a worker finished without pushing it), or None."""
         missing = [r for r in sorted(self.finished) if p.pushed.get(r, 0) < round]
         if not missing:
             return None
-        who = ", ".join(f"worker {r}" for r in missing)
-        return f"{who} finished (closed its store) without pushing key {p.name} for round {round - 1}; the round can never complete"
+        return finished_without(", ".join(f"worker {r}" for r in missing), f"pushing key {p.name} for round {round - 1}")
 
     def _fail_blocked(self, p: Part) -> list[Answer]:
         """Fail the pulls and merge-acknowledgements of ``p`` that wait for a round that cannot come."""
@@ -309,12 +309,12 @@ class Rounds:
         out = []
         for w in [w for w in p.pulls if w.round > reachable]:
             p.pulls.remove(w)
-            out.append(Answer(w.req, w.entry, error=NodeFailedError(self._blocker(p, w.round) or "the round can never complete")))
+            out.append(Answer(w.req, w.entry, error=self._blocker(p, w.round)))
         for q in p.queued.values():
             while len(q) > reachable - p.rounds:
                 _, ack = q.pop()
                 if ack is not None:
-                    out.append(Answer(ack.req, ack.entry, error=NodeFailedError(self._blocker(p, ack.round) or "the round can never complete")))
+                    out.append(Answer(ack.req, ack.entry, error=self._blocker(p, ack.round)))
         return out
 
     def finish(self, rank: int) -> list[Answer]:
@@ -330,18 +330,12 @@ class Rounds:
                 p.pulls.remove(w)
                 missing = [r for r in self.workers if p.rounds + len(p.queued.get(r, ())) < w.round]
                 got = [r for r in self.workers if r not in missing]
-                exc = DeadlineExceeded(
-                    f"the pull of key {p.name} (part {p.index}) waited {now - w.since:.0f} s (PSKV_TIMEOUT={self.timeout:g}) "
-                    f"for round {w.round - 1}: workers {missing} have not pushed key {p.name} in that round (pushed: {got})"
-                )
-                out.append(Answer(w.req, w.entry, error=exc))
+                gap = f"round {w.round - 1}: workers {missing} have not pushed key {p.name} in that round (pushed: {got})"
+                out.append(Answer(w.req, w.entry, error=deadline(f"the pull of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
             for w in [w for w in p.inits if now - w.since > self.timeout]:
                 p.inits.remove(w)
-                exc = DeadlineExceeded(
-                    f"key {p.name} (part {p.index}) has no value after {now - w.since:.0f} s (PSKV_TIMEOUT={self.timeout:g}): "
-                    f"worker 0 sends the init value and has not; workers that called init: {sorted(p.initialised_by)}"
-                )
-                out.append(Answer(w.req, w.entry, error=exc))
+                gap = f"its value: worker 0 sends it and has not; workers that called init: {sorted(p.initialised_by)}"
+                out.append(Answer(w.req, w.entry, error=deadline(f"the init of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
         return out
 
     def fail_all(self, exc: PSKVError) -> list[Answer]:

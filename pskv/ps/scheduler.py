@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .. import config
-from ..errors import ClusterError, DeadlineExceeded, NodeFailedError
+from ..errors import ClusterError, deadline, describe_node, finished_without, node_failed
 from .message import Message, Type, error_reply
-from .node import JobEnv, describe_node
+from .node import JobEnv
 from .van import Van
 
 
@@ -190,14 +190,14 @@ class Scheduler:
 
     def _fail_start(self) -> None:
         have_s, have_w = len(self._members("server")), len(self._members("worker"))
-        text = (
-            f"the job did not start within {config.start_timeout():g} s (PSKV_START_TIMEOUT): "
-            f"{have_s} of {self.env.num_servers} servers and {have_w} of {self.env.num_workers} workers registered "
-            f"with the scheduler at {self.endpoint}"
+        missing = (
+            f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
+            f"{self.env.num_workers} workers registered with the scheduler at {self.endpoint}"
         )
+        exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
-            self._send(n, Message(Type.ERROR, meta={"kind": "DeadlineExceeded", "message": text}))
-        print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
+            self._send(n, Message(Type.ERROR, meta={"kind": "DeadlineExceeded", "message": str(exc)}))
+        print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         self.status = 1
 
     # -- barriers -----------------------------------------------------------------------------------
@@ -214,9 +214,7 @@ class Scheduler:
         members = self._group(group)
         gone = [n for n in members if n.finished]
         if gone:
-            raise NodeFailedError(
-                f"barrier of group {group!r} can never complete: {', '.join(map(str, gone))} already finished"
-            )
+            raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
         bar = self.barriers.setdefault(group, _Barrier(time.monotonic()))
         bar.waiting[node.peer] = msg
         if all(n.peer in bar.waiting for n in members):
@@ -238,13 +236,8 @@ class Scheduler:
                 members = self._group(group)
                 missing = [n.rank for n in members if n.peer not in bar.waiting]
                 here = sorted(self.nodes[p].rank for p in bar.waiting)
-                self._fail_barrier(
-                    group,
-                    DeadlineExceeded(
-                        f"barrier of the {group}s passed PSKV_TIMEOUT={self.timeout:g} s: "
-                        f"waiting for {group} ranks {missing} (arrived: {here})"
-                    ),
-                )
+                gap = f"{group} ranks {missing} (arrived: {here})"
+                self._fail_barrier(group, deadline("the barrier", now - bar.started, "PSKV_TIMEOUT", self.timeout, gap))
 
     # -- ending -----------------------------------------------------------------------------------
 
@@ -257,7 +250,7 @@ class Scheduler:
         self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
         for group in list(self.barriers):
             if node in self._group(group):
-                self._fail_barrier(group, NodeFailedError(f"{node} finished while a barrier of the {group}s waited for it"))
+                self._fail_barrier(group, finished_without(str(node), f"reaching the barrier of the {group}s"))
         if all(n.finished for n in self._members("worker")):
             self._broadcast(Message(Type.SHUTDOWN), roles=("server",))
             self.status = 0
@@ -269,7 +262,7 @@ class Scheduler:
             silent = now - node.last_seen
             if silent > self.hb_timeout:
                 reason = f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g})"
-                print(f"pskv scheduler: {node} failed: {reason}", file=sys.stderr, flush=True)
+                print(f"pskv scheduler: {node_failed(node.info(), reason)}", file=sys.stderr, flush=True)
                 node.finished = True
                 self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}))
                 self.status = 1

@@ -43,7 +43,7 @@ from .message import (
     tensor_frame,
     torch_dtype,
 )
-from .node import JobEnv, Node, failure_text
+from .node import JobEnv, Node, failure
 from .rounds import Answer, InitEntry, Part, PullEntry, PushEntry, Rounds
 from .van import Van
 
@@ -140,7 +140,7 @@ class Server(Node):
         elif msg.type == Type.WORKER_LEFT:
             self._deliver(self.rounds.finish(int((msg.meta or {})["rank"])))
         elif msg.type == Type.NODE_FAILED:
-            self._stop(NodeFailedError(failure_text(msg)))
+            self._stop(failure(msg))
 
     # -- answers ------------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Optional
 
-from ..errors import DeadlineExceeded, PSKVError
+from ..errors import DeadlineExceeded, PSKVError, deadline
 from .message import ANSWER, Message, Type
 from .node import raise_error_reply
 
@@ -121,7 +121,7 @@ class Tracker:
             for r in late:
                 del self._open[r.req_id]
         for r in late:
-            self._finish(r, DeadlineExceeded(f"{r.what}: {r.peer} did not answer within {self.timeout:g} s (PSKV_TIMEOUT plus a margin)"))
+            self._finish(r, deadline(r.what, self.timeout, "PSKV_TIMEOUT plus a margin", self.timeout, f"an answer from {r.peer}"))
 
     def wait(self, reqs: Iterable[Request]) -> None:
         """Block until every request is answered; raise the first error among them."""

@@ -263,7 +263,7 @@ def test_barrier_deadline_names_the_missing(inproc_job: Job, monkeypatch: pytest
 
     def body(kv: KVStore) -> str:
         if kv.rank == 0:
-            with pytest.raises(pskv.DeadlineExceeded, match=r"waiting for worker ranks \[1\] \(arrived: \[0\]\)"):
+            with pytest.raises(pskv.DeadlineExceeded, match=r"barrier waited \d+ s \(PSKV_TIMEOUT=1\) for worker ranks \[1\] \(arrived: \[0\]\)"):
                 kv.barrier()
         else:
             time.sleep(2.5)

@@ -186,7 +186,7 @@ def test_expiry_names_the_workers_that_have_not_pushed() -> None:
     lonely = Rounds(2, timeout=1.0)
     lonely.init("w1", 1, "sync", [entry(key=5)])
     (a,) = lonely.expire(lonely.parts[(5, 0)].inits[0].since + 2)
-    assert "worker 0 sends the init value and has not; workers that called init: [1]" in str(a.error)
+    assert "for its value: worker 0 sends it and has not; workers that called init: [1]" in str(a.error)
 
 
 def test_optimizer_states_keep_change_and_are_checked_before_loading() -> None:
