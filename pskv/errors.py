@@ -139,6 +139,12 @@ def finished_without(who: str, what: str) -> NodeFailedError:
     return NodeFailedError(f"{who} finished (closed its store) without {what}; it can never complete")
 
 
+def from_reply(meta: Any, context: str = "") -> PSKVError:
+    """The exception an ERROR message's metadata carries, its text prefixed with ``context``."""
+    meta = meta if isinstance(meta, dict) else {}
+    return error_class(str(meta.get("kind", "")))(f"{context}{meta.get('message', 'unknown error')}")
+
+
 def error_class(kind: str) -> type[PSKVError]:
     """The exception class named ``kind`` (as sent by a server); ``ClusterError`` if unknown.
 

@@ -5,8 +5,8 @@ requests on one connection per server (no queue, no wake-up), while the I/O thre
 other, on which the answers come back. At start each connection says HELLO with the worker's
 rank, the answer connection first, so the server knows where to send answers. The I/O thread
 matches answers to open requests (:mod:`pskv.ps.tracker`) and runs their ``on_reply`` (pulled
-bytes are copied into place there), heartbeats the scheduler, sends the requests queued for it
-(barriers), and fails requests past their deadline.
+bytes are copied into place there), heartbeats the scheduler, sends the requests queued for the
+connections it owns (to the scheduler; the first HELLOs), and fails requests past their deadline.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class WorkerClient(Node):
     def __init__(self, env: JobEnv, van: Optional[Van] = None):
         super().__init__(env, van)
         self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()))
-        self._to_scheduler: list[tuple[Message, Request]] = []  # sent by the I/O thread, which owns that connection
+        self._queued: list[tuple[str, Message, Request]] = []  # for the connections the I/O thread owns
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stop = False
@@ -57,19 +57,13 @@ class WorkerClient(Node):
                 "this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, "
                 "or use a local store"
             )
-        answers = []
         for s in range(self.num_servers):
-            endpoint = self.servers[s]["endpoint"]
-            self.van.connect(f"server {s}", endpoint)
-            self.van.connect(f"server {s}/tx", endpoint, receive=False)
-            hello = Message(Type.HELLO, meta={"rank": self.rank, "answers": True})
-            answers.append(self.tracker.open(Type.HELLO, "hello", f"server {s}"))
-            hello.req_id = answers[-1].req_id
-            self.van.send(f"server {s}", hello)  # on the answer connection, before the I/O thread owns it
+            self.van.connect(f"server {s}", self.servers[s]["endpoint"])
+            self.van.connect(f"server {s}/tx", self.servers[s]["endpoint"], receive=False)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
-        self.wait(answers)
-        self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank}), "hello") for s in range(self.num_servers)])
+        for answers in (True, False):  # the answer connection first: answers to the other go there
+            self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in range(self.num_servers)])
 
     def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Request:
         """Send ``msg`` to server ``to`` (or :data:`SCHEDULER`); returns its request to wait on.
@@ -90,9 +84,9 @@ class WorkerClient(Node):
             entries = (PUSH if msg.type == Type.PUSH else PULL).count(msg.frames[0])
         req = self.tracker.open(msg.type, what, peer, on_reply, entries)
         msg.req_id = req.req_id
-        if to == SCHEDULER:
-            with self._lock:
-                self._to_scheduler.append((msg, req))
+        if to == SCHEDULER or (msg.type == Type.HELLO and (msg.meta or {}).get("answers")):
+            with self._lock:  # the I/O thread owns these connections: it sends what is queued
+                self._queued.append((peer, msg, req))
             self.van.wake()
             return req
         try:
@@ -144,7 +138,7 @@ class WorkerClient(Node):
     def _loop(self) -> None:
         try:
             while not self._stop:
-                self._send_to_scheduler()
+                self._send_queued()
                 for peer, msg in self.van.recv(0.25):
                     if isinstance(msg, ProtocolError):
                         print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
@@ -159,15 +153,15 @@ class WorkerClient(Node):
         except BaseException as exc:
             self._die(exc if isinstance(exc, PSKVError) else ClusterError(f"the worker's I/O thread failed: {exc!r}"))
         finally:
-            self._send_to_scheduler()
+            self._send_queued()
             self.van.close(linger=2.0)
 
-    def _send_to_scheduler(self) -> None:
+    def _send_queued(self) -> None:
         with self._lock:
-            queued, self._to_scheduler = self._to_scheduler, []
-        for msg, req in queued:
+            queued, self._queued = self._queued, []
+        for peer, msg, req in queued:
             try:
-                self.van.send("scheduler", msg)
+                self.van.send(peer, msg)
             except PeerUnreachable as exc:
                 self.tracker.fail(req, exc)
 

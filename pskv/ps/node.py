@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .. import config
-from ..errors import ClusterError, NodeFailedError, deadline, error_class, node_failed
+from ..errors import ClusterError, NodeFailedError, deadline, from_reply, node_failed
 from .message import Message, Type
 from .van import PeerUnreachable, Received, Van
 
@@ -180,13 +180,6 @@ def host_identity() -> str:
     return f"{boot}/{ns}"
 
 
-def raise_error_reply(msg: Message, context: str = "") -> None:
-    """Raise the exception an ERROR message carries (its class looked up by name)."""
-    meta = msg.meta or {}
-    text = str(meta.get("message", "unknown error"))
-    raise error_class(str(meta.get("kind", "")))(f"{context}{text}")
-
-
 class Node:
     """This process's seat in a job: its van, rank, the node table, heartbeats to the scheduler.
 
@@ -235,7 +228,7 @@ class Node:
                 if peer != "scheduler":
                     self.early.append((peer, msg))
                 elif msg.type == Type.ERROR:
-                    raise_error_reply(msg, f"the scheduler refused this {self.role}: ")
+                    raise from_reply(msg.meta, f"the scheduler refused this {self.role}: ")
                 elif msg.type == Type.NODES:
                     table = msg.meta or {}
                     self.rank = int(table["rank"])

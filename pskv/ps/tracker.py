@@ -16,9 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Optional
 
-from ..errors import DeadlineExceeded, PSKVError, deadline
+from ..errors import DeadlineExceeded, PSKVError, deadline, from_reply
 from .message import ANSWER, Message, Type
-from .node import raise_error_reply
 
 OnReply = Callable[[Message], None]
 BATCHED = (Type.INIT, Type.PUSH, Type.PULL)  # answered part by part, with ANSWER rows
@@ -82,7 +81,7 @@ class Tracker:
                 del self._open[msg.req_id]
         try:
             if msg.type == Type.ERROR:
-                raise_error_reply(msg, f"{req.what}: ")
+                raise from_reply(msg.meta, f"{req.what}: ")
             if req.on_reply is not None:
                 req.on_reply(msg)
         except BaseException as exc:
