@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import sys
-import time
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -189,13 +188,7 @@ class DistStore(KVStore):
             if b.frames:
                 sent.append(req)
         trace.event("push copied and sent")
-        # the caller may change its tensors once push returns: wait until zmq has the bytes
-        deadline = time.monotonic() + self._client.tracker.timeout
-        for req in sent:
-            while req.sent is not None and not req.sent(0.25):
-                self._client.check()
-                if time.monotonic() > deadline:
-                    raise errors.DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
+        self._client.wait_sent(sent)  # the caller may change its tensors once push returns
 
     def _send_push(self, server: int, b: _Batch) -> Request:
         meta = {"codec": self._compressor.codec.describe()} if self._compressor is not None else None

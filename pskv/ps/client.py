@@ -17,7 +17,14 @@ import time
 from typing import Any, Optional
 
 from .. import config
-from ..errors import ClusterError, NodeFailedError, ProtocolError, PSKVError, StoreClosedError
+from ..errors import (
+    ClusterError,
+    DeadlineExceeded,
+    NodeFailedError,
+    ProtocolError,
+    PSKVError,
+    StoreClosedError,
+)
 from .message import PULL, PUSH, Message, Type
 from .node import JobEnv, Node, failure
 from .tracker import OnReply, Request, Tracker
@@ -108,6 +115,15 @@ class WorkerClient(Node):
         """Block until every request is answered; raise the first error (or the job's)."""
         self.tracker.wait(reqs)
         self.check()
+
+    def wait_sent(self, reqs: list[Request]) -> None:
+        """Block until the payload buffers of these pushes may be reused (zmq has the bytes)."""
+        until = time.monotonic() + self.tracker.timeout
+        for req in reqs:
+            while req.sent is not None and not req.sent(0.25):
+                self.check()
+                if time.monotonic() > until:
+                    raise DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
 
     def barrier(self, group: str = "worker", value: Any = NOTHING) -> list[Any]:
         """Block until every node of ``group`` reaches a barrier. A barrier may carry a small
