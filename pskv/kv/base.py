@@ -25,6 +25,7 @@ from .. import errors
 from ..compression import Compressor
 from ..ops import is_row_sparse
 from ..optim import Optimizer, load_states, save_states
+from ..ps.tracker import Handle
 
 Key = Union[int, str]
 KeyArg = Union[Key, Sequence[Key]]
@@ -215,26 +216,35 @@ class KVStore(ABC):
             for meta, _ in new:
                 self._keys[meta.key] = meta
 
-    def push(self, key: KeyArg, value: ValueArg, priority: int = 0) -> None:
+    def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True) -> Optional[Handle]:
         """Push ``value`` (a tensor or a list of per-device tensors) to ``key``.
 
         The list is summed, and so are values of a key repeated in one call. Without an
         optimizer the stored value is replaced by the sum; with one, the optimizer updates the
-        stored value with the sum as gradient. The pushed tensors are never modified. Higher
-        ``priority`` is sent first by the distributed stores.
+        stored value with the sum as gradient. The pushed tensors are never modified; they may be
+        changed once ``push`` returns. Parts of higher ``priority`` go first.
+
+        ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle` at once (the values are taken
+        before it returns); ``handle.wait()`` blocks until the servers acknowledged the push. A
+        push that fails makes the next call fail, waited for or not.
         """
         with self._lock:
             self._check_open()
             groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
             with torch.no_grad():
-                self._push_impl(groups, int(priority))
+                handle = self._push_impl(groups, int(priority), wait)
+            return None if wait else handle or Handle()
 
-    def pull(self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True) -> None:
+    def pull(self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Optional[Handle]:
         """Copy the value of ``key`` into ``out`` (a tensor or a list; each gets the value).
 
         Sees every earlier push of this caller. A row-sparse key cannot be pulled into a dense
         ``out`` (use :meth:`row_sparse_pull`); sparse outputs are skipped, with one warning, when
-        ``ignore_sparse`` is true, and receive every row otherwise. Blocks until written.
+        ``ignore_sparse`` is true, and receive every row otherwise. Blocks until written, or, with
+        ``wait=False``, returns a :class:`~pskv.ps.tracker.Handle` whose ``wait()`` does (``out``
+        must not be read or written before).
+
+        >>> h = kv.pull("w", out, wait=False); ...; h.wait()
         """
         with self._lock:
             self._check_open()
@@ -257,20 +267,25 @@ class KVStore(ABC):
                     UserWarning,
                     stacklevel=2,
                 )
+            handle = None
             if kept:
                 with torch.no_grad():
-                    self._pull_impl(kept, int(priority))
+                    handle = self._pull_impl(kept, int(priority), wait)
+            return None if wait else handle or Handle()
 
-    def pushpull(self, key: KeyArg, value: ValueArg, out: Optional[ValueArg] = None, priority: int = 0) -> None:
-        """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into ``value``."""
+    def pushpull(
+        self, key: KeyArg, value: ValueArg, out: Optional[ValueArg] = None, priority: int = 0, wait: bool = True
+    ) -> Optional[Handle]:
+        """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into
+        ``value``. ``wait=False``: both are sent without waiting; the handle is the pull's."""
         with self._lock:
             self._check_open()
             target = value if out is None else out
             groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
             self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
             with torch.no_grad():
-                self._push_impl(groups, int(priority))
-            self.pull(key, target, priority)
+                self._push_impl(groups, int(priority), wait)
+            return self.pull(key, target, priority, wait=wait)
 
     def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:
         """``init(key, value)`` then ``pull(key, out)``: every worker gets rank 0's value."""
@@ -407,10 +422,12 @@ class KVStore(ABC):
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
 
     @abstractmethod
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None: ...
+    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+        """Push; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     @abstractmethod
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None: ...
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+        """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     @abstractmethod
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None: ...

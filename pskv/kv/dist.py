@@ -23,23 +23,22 @@ from __future__ import annotations
 import atexit
 import sys
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import config, errors
+from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
-from ..ps import shm, trace
+from ..ps import trace
 from ..ps.client import WorkerClient
-from ..ps.message import ANSWER, PULL, PUSH, Message, PushKind, Type, dtype_name, frame_tensor, tensor_frame
-from ..ps.node import JobEnv, host_identity
+from ..ps.message import Message, PushKind, Type, dtype_name, frame_tensor, tensor_frame
+from ..ps.node import JobEnv
 from ..ps.partition import Part, place
-from ..ps.tracker import Request
+from ..ps.tracker import Handle, Sink
 from .base import KeyMeta, KVStore
-
-Sink = Union[Tensor, Callable[[Tensor], None]]  # where a pulled part goes: a tensor to copy into, or a function
 
 
 def create_dist(name: str, environ: Optional[dict[str, str]] = None) -> KVStore:
@@ -61,19 +60,6 @@ def _close_at_exit(ref: weakref.ReferenceType[DistStore]) -> None:
             print(f"pskv: closing the store at exit failed: {exc}", file=sys.stderr)
 
 
-class _Batch:
-    """The rows and payload frames of one message for one server."""
-
-    __slots__ = ("frames", "nbytes", "rows", "sinks", "slots")
-
-    def __init__(self) -> None:
-        self.rows: list[Any] = []
-        self.frames: list[Any] = []
-        self.sinks: list[tuple[Sink, torch.dtype]] = []  # pulls: where each row's answer goes
-        self.slots: list[tuple[int, int]] = []  # pushes: the parts whose shared slot it uses
-        self.nbytes = 0
-
-
 class DistStore(KVStore):
     """A worker's view of the parameter servers. Thread-safe like every store (one call at a time)."""
 
@@ -82,22 +68,21 @@ class DistStore(KVStore):
         self._async = type_name == "dist_async"
         self._on_device = type_name == "dist_device_sync"
         self._client = WorkerClient(env)
-        self._client.start()
-        trace.start(f"worker-{self._client.rank}")
-        self._bound = config.bigarray_bound()
-        self._chunk = config.chunk_bytes()
-        self._batch_bytes = config.batch_bytes()
-        self._parts: dict[int, list[Part]] = {}
-        self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
-        self._shared = shm.Shared()
-        self._slots: dict[tuple[int, int], tuple[shm.Arena, int, Tensor]] = {}  # (key, part) -> its push slot
-        self._slot_push: dict[tuple[int, int], Request] = {}  # the push that may still read a slot
         self._atexit = atexit.register(_close_at_exit, weakref.ref(self))
         try:
-            self._shm_servers = self._probe_shm()
+            self._client.start()
         except BaseException:
             self.close()
             raise
+        trace.start(f"worker-{self._client.rank}")
+        self._bound = config.bigarray_bound()
+        self._chunk = config.chunk_bytes()
+        self._parts: dict[int, list[Part]] = {}
+        self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
+        self._slots: dict[tuple[int, int], Tensor] = {}  # (key, part) -> its push slot in our shared memory
+        # (key, part) -> the latest call that must be done before the part is pushed again: a
+        # pull (its answer may be the server's value itself) or a push from our shared slot
+        self._before_push: dict[tuple[int, int], Handle] = {}
 
     @property
     def rank(self) -> int:
@@ -112,34 +97,24 @@ class DistStore(KVStore):
         """How many servers hold the keys."""
         return self._client.num_servers
 
-    def _probe_shm(self) -> set[int]:
-        """The servers this worker exchanges data with through shared memory (``PSKV_SHM``)."""
-        want = shm.mode()
-        if want == "0":
-            return set()
-        ok: set[int] = set()
-        for s, info in enumerate(self._client.servers):
-            try:
-                if not host_identity() or info.get("shm_host") != host_identity():
-                    raise errors.ProtocolError(f"server {s} ({info.get('hostname')}) is on another host")
-                answer: list[Message] = []
-                probe = Message(Type.SHM_PROBE, meta=self._shared.probe())
-                self._client.wait([self._client.send(s, probe, "shared-memory probe", answer.append)])
-                self._shared.accept(answer[0].meta or {}, int(info["pid"]))
-                ok.add(s)
-            except errors.ProtocolError as exc:
-                if want == "1":
-                    raise errors.ClusterError(f"PSKV_SHM=1, but shared memory with server {s} failed: {exc}") from None
-        return ok
+    @property
+    def _shm_servers(self) -> set[int]:
+        return self._client.shm_servers
 
-    def _send(self, server: int, msg: Message, what: str, on_reply: Optional[Callable[[Message], None]] = None) -> Request:
-        return self._client.send(server, msg, what, on_reply)
+    def _done(self, handle: Handle, wait: bool) -> Optional[Handle]:
+        """Send what the call queued: now, and wait for it; or soon, and return its handle."""
+        if not wait:
+            self._client.flush(soon=True)
+            return handle
+        self._client.flush()
+        handle.wait()
+        return None
 
     # -- init / push / pull -----------------------------------------------------------------------
 
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         self._client.check()
-        batches: dict[int, _Batch] = {}
+        batches: dict[int, tuple[list[Any], list[Any]]] = {}
         for meta, value in items:
             row_numel = max(1, meta.row_numel) if meta.shape else 1
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
@@ -149,74 +124,67 @@ class DistStore(KVStore):
                 dense = value.detach().to_dense() if value.is_sparse else value.detach()
                 flat = dense.to("cpu").contiguous().view(-1)
             for p in self._parts[meta.id]:
-                b = batches.setdefault(p.server, _Batch())
-                b.rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, row_numel, meta.row_sparse, repr(meta.key)])
+                rows, frames = batches.setdefault(p.server, ([], []))
+                rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, row_numel, meta.row_sparse, repr(meta.key)])
                 if flat is not None:
-                    b.frames.append(tensor_frame(flat[p.start : p.stop]))
+                    frames.append(tensor_frame(flat[p.start : p.stop]))
         mode = "async" if self._async else "sync"
-        reqs = [
-            self._send(s, Message(Type.INIT, meta={"mode": mode, "parts": b.rows}, frames=b.frames), f"init of {len(b.rows)} parts")
-            for s, b in batches.items()
-        ]
-        self._client.wait(reqs)
+        msgs = {s: Message(Type.INIT, meta={"mode": mode, "parts": rows}, frames=frames) for s, (rows, frames) in batches.items()}
+        self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
 
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None:
+    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError(
                 "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
             )
         trace.event("push starts")
-        batches: dict[int, _Batch] = {}  # server -> the parts for it not sent yet
-        sent: list[Request] = []  # pushes with frames, which may point into the caller's tensors
+        handle = self._client.handle()
         for meta, values in items:
-            for p, row, frames in self._push_parts(meta, values):
-                b = batches.setdefault(p.server, _Batch())
-                b.rows.append(row)
-                b.frames += frames
-                if not frames:  # in our shared memory: the server reads it from there
-                    b.slots.append((meta.id, p.index))
-                    continue
-                # TCP: the server sums one batch while the next is on the wire. Shared memory:
-                # every stage is a pass over memory, so overlapping them only makes the passes
-                # compete for the memory bus and the cores; the parts go in one message.
-                b.nbytes += p.numel * meta.dtype.itemsize
-                if b.nbytes >= self._batch_bytes:
-                    sent.append(self._send_push(p.server, batches.pop(p.server)))
-        for s, b in batches.items():
-            req = self._send_push(s, b)
-            if b.frames:
-                sent.append(req)
+            for p, row, frames in self._push_parts(meta, values, borrow=wait):
+                # TCP: a message leaves every PSKV_BATCH_BYTES, so the server sums one while the
+                # next is on the wire. Shared memory: every stage is a pass over memory, so
+                # overlapping them only makes them compete for the memory bus and the cores.
+                nbytes = p.numel * meta.dtype.itemsize if frames else 0
+                self._client.queue(p.server, Type.PUSH, row, frames, (handle, None, None), nbytes)
+                if not frames:  # from our shared slot: not to be written again before the server merged it
+                    self._before_push[(meta.id, p.index)] = handle
+        if not wait:
+            self._client.flush(soon=True)
+            return handle
+        # the caller may change its tensors once push returns: wait until zmq has the bytes
+        self._client.wait_sent(self._client.flush())
         trace.event("push copied and sent")
-        self._client.wait_sent(sent)  # the caller may change its tensors once push returns
+        return None
 
-    def _send_push(self, server: int, b: _Batch) -> Request:
-        meta = {"codec": self._compressor.codec.describe()} if self._compressor is not None else None
-        req = self._send(server, Message(Type.PUSH, meta=meta, frames=[PUSH.pack(b.rows), *b.frames]), f"push of {len(b.rows)} parts")
-        for where in b.slots:
-            self._slot_push[where] = req
-        return req
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool) -> list[tuple[Part, list[int], list[Any]]]:
+        """Each part of one key's push: its PUSH row and payload frames (none through shared memory).
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor]) -> list[tuple[Part, list[int], list[Any]]]:
-        """Each part of one key's push: its PUSH row and payload frames (none through shared memory)."""
+        ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
+        caller then waits until it is sent)."""
         out = []
+        parts = self._parts[meta.id]
+        whole = len(parts) == 1  # one part: the tensors go as they are, no flat views (each op costs)
         sparse = any(v.is_sparse for v in values)
         if sparse:
             merged = reduce_values(values, torch.device("cpu"))
             ids, vals = merged.indices()[0], merged.values().reshape(len(merged.indices()[0]), -1)
         elif self._compressor is not None:
             codec = self._compressor.codec
-            flats = [v.detach().reshape(-1) for v in values]
+            flats = [v.reshape(-1) for v in values]
             residuals = [self._compressor.residual(meta.id, i, f) for i, f in enumerate(flats)]
         else:
             if self._on_device and len(values) > 1 and values[0].device.type != "cpu":
                 values = [reduce_values(values, values[0].device)]  # sum on the device, copy once
-            flats = [v.detach().reshape(-1) for v in values]
-            # one contiguous CPU tensor goes on the wire as it is: no copy (push waits until sent)
-            borrow = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
-            merged_flat: Optional[Tensor] = flats[0] if borrow else None
-        for p in self._parts[meta.id]:
+            flats = values if whole else [v.reshape(-1) for v in values]
+            one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
+            merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
+        for p in parts:
             where = (meta.id, p.index)
+            earlier = self._before_push.pop(where, None)
+            if earlier is not None and not earlier.done():
+                self._client.flush()
+                self._client.wait([earlier])
             round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
             if sparse:
                 r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
@@ -226,81 +194,56 @@ class DistStore(KVStore):
             elif self._compressor is not None:
                 frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
                 out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0], frames))
-            elif p.server in self._shm_servers:
-                earlier = self._slot_push.get(where)
-                if earlier is not None and not earlier.done.is_set():
-                    self._client.wait([earlier])  # the server still reads the slot (its round is open)
-                if where not in self._slots:
-                    arena, offset = self._shared.slot(p.numel * meta.dtype.itemsize)
-                    self._slots[where] = (arena, offset, arena.tensor(offset, p.numel, meta.dtype))
-                arena, offset, slot = self._slots[where]
-                slot.copy_(flats[0][p.start : p.stop])
+            elif p.server in self._client.shm_servers:
+                slot = self._slots.get(where)
+                if slot is None:
+                    arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
+                    slot = arena.tensor(offset, p.numel, meta.dtype)
+                    slot = self._slots[where] = slot.view(meta.shape) if whole else slot
+                    slot.home = (arena.fd, offset)  # type: ignore[attr-defined]
+                slot.copy_(flats[0] if whole else flats[0][p.start : p.stop])
                 for f in flats[1:]:
-                    slot.add_(f[p.start : p.stop].to("cpu"))
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, arena.fd, offset], []))
+                    slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
+                fd, offset = slot.home  # type: ignore[attr-defined]
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset], []))
             else:
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
                 out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0], [tensor_frame(merged_flat[p.start : p.stop])]))
         return out
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int) -> None:
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
         self._client.check()
         copies: list[tuple[Tensor, list[Tensor]]] = []
-        batches: dict[int, _Batch] = {}
+
+        def finish() -> None:  # in the caller's thread, once every part has arrived
+            for buf, outs in copies:
+                for o in outs:
+                    o.copy_(buf.to_sparse(1) if o.is_sparse else buf)
+
+        handle = self._client.handle(finish)
         for meta, outs in items:
             first = outs[0]
             direct = not first.is_sparse and first.device.type == "cpu" and first.is_contiguous()
             buf = first if direct else torch.empty(meta.shape, dtype=meta.dtype)
-            flat = buf.detach().view(-1)  # filled by the I/O thread, where grad mode is on
-            for p in self._parts[meta.id]:
-                self._add_pull(batches, meta, p, flat[p.start : p.stop])
+            parts = self._parts[meta.id]
+            flat = buf if len(parts) == 1 else buf.view(-1)  # filled by the I/O thread
+            for p in parts:
+                self._queue_pull(handle, meta, p, flat if len(parts) == 1 else flat[p.start : p.stop])
             copies.append((buf, outs[1:] if direct else outs))
-        self._pull(batches)
-        for buf, outs in copies:
-            for o in outs:
-                o.copy_(buf.to_sparse(1) if o.is_sparse else buf)
-
-    def _add_pull(self, batches: dict[int, _Batch], meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None) -> None:
-        b = batches.setdefault(p.server, _Batch())
-        shm_ok = rows is None and p.server in self._shm_servers
-        b.rows.append((meta.id, p.index, self._round_sent.get((meta.id, p.index), 0), int(shm_ok), int(rows is not None)))
-        b.sinks.append((sink, meta.dtype))
-        if rows is not None:
-            b.frames.append(tensor_frame(rows))
-
-    def _pull(self, batches: dict[int, _Batch]) -> None:
-        """Send the pulls and wait until every answer has been copied to its sink."""
-        reqs = []
-        for server, b in batches.items():
-            msg = Message(Type.PULL, frames=[PULL.pack(b.rows), *b.frames])
-            reqs.append(self._send(server, msg, f"pull of {len(b.rows)} parts", self._filler(server, b.sinks)))
         trace.event("pull sent")
-        self._client.wait(reqs)
-        trace.event("pull complete")
+        return self._done(handle, wait)
 
-    def _filler(self, server: int, sinks: list[tuple[Sink, torch.dtype]]) -> Callable[[Message], None]:
-        """The I/O thread's copy of a (partial) answer into the pull's sinks."""
-        pid = int(self._client.servers[server]["pid"])
-
-        def fill(msg: Message) -> None:
-            frames = iter(msg.frames[1:])
-            for row in ANSWER.unpack(msg.frames[0]):
-                sink, dtype = sinks[row.entry]
-                if row.fd >= 0:
-                    src = self._shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
-                else:
-                    src = frame_tensor(next(frames), dtype)
-                if isinstance(sink, Tensor):
-                    sink.copy_(src)
-                else:
-                    sink(src)
-
-        return fill
+    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None) -> None:
+        where = (meta.id, p.index)
+        shm_ok = rows is None and p.server in self._client.shm_servers
+        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None))
+        self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype))
+        self._before_push[where] = handle
 
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None:
         self._client.check()
-        batches: dict[int, _Batch] = {}
+        handle = self._client.handle()
         results: list[tuple[KeyMeta, list[Tensor], list[Tensor], Tensor, Tensor]] = []
         for meta, outs, row_lists in items:
             row_numel = max(1, meta.row_numel)
@@ -311,9 +254,9 @@ class DistStore(KVStore):
                 where = torch.nonzero((wanted >= r0) & (wanted < r1)).view(-1)
                 if where.numel():
                     sink = lambda src, where=where, data=data: data.index_copy_(0, where, src.view(len(where), -1))  # noqa: E731
-                    self._add_pull(batches, meta, p, sink, (wanted[where] - r0).contiguous())
+                    self._queue_pull(handle, meta, p, sink, (wanted[where] - r0).contiguous())
             results.append((meta, outs, row_lists, wanted, data))
-        self._pull(batches)
+        self._done(handle, True)
         for meta, outs, row_lists, wanted, data in results:
             for out, rows in zip(outs, row_lists):
                 pos = torch.searchsorted(wanted, rows)
@@ -323,7 +266,7 @@ class DistStore(KVStore):
 
     def _to_servers(self, make: Callable[[int], Message], what: str, on_reply: Optional[Callable[[Message], None]] = None) -> None:
         self._client.check()
-        self._client.wait([self._send(s, make(s), what, on_reply) for s in range(self.num_servers)])
+        self._client.wait([self._client.send(s, make(s), what, on_reply) for s in range(self.num_servers)])
 
     def _set_optimizer_impl(self, optimizer: Optimizer) -> None:
         keep = optimizer is self._optimizer  # the same object again: new hyperparameters, same states
@@ -387,6 +330,9 @@ class DistStore(KVStore):
             self._optimizer = Optimizer.from_description(desc)
 
     # -- the rest -------------------------------------------------------------------------------
+
+    def _set_compression_impl(self, compressor: Compressor) -> None:
+        self._client.push_meta = {"codec": compressor.codec.describe()}
 
     def _barrier_impl(self) -> None:
         self._client.check()

@@ -1,12 +1,27 @@
-"""The worker's side of the parameter-server system: one call to send a request, one I/O thread.
+"""The worker's side of the parameter-server system: sending requests, receiving answers.
 
-:class:`WorkerClient` joins the job and connects to every server twice: the calling thread sends
-requests on one connection per server (no queue, no wake-up), while the I/O thread owns the
-other, on which the answers come back. At start each connection says HELLO with the worker's
-rank, the answer connection first, so the server knows where to send answers. The I/O thread
-matches answers to open requests (:mod:`pskv.ps.tracker`) and runs their ``on_reply`` (pulled
-bytes are copied into place there), heartbeats the scheduler, sends the requests queued for the
-connections it owns (to the scheduler; the first HELLOs), and fails requests past their deadline.
+:class:`WorkerClient` joins the job and connects to every server twice: requests leave on one
+connection per server, answers come back on the other. At start each connection says HELLO
+with the worker's rank, the answer connection first, so the server knows where to send answers;
+then, with servers on this host, the two sides map each other's shared memory (:mod:`pskv.ps.shm`).
+
+Two ways to send:
+
+- :meth:`WorkerClient.send` sends one whole message (INIT, optimizer, states, barriers).
+- :meth:`WorkerClient.queue` adds one part's row to the server's next PUSH or PULL message;
+  :meth:`WorkerClient.flush` sends what is queued, one message of each kind per server. A
+  blocking store call flushes at once; calls made with ``wait=False`` leave it to the I/O
+  thread, so rows queued close together travel together (thousands of small keys cost a few
+  messages, not thousands), and a batch that reaches ``PSKV_BATCH_BYTES`` goes at once.
+
+Answers are received by the threads that wait for them: a thread waiting on a request or a
+call takes the receive lock and handles every answer that arrived (pulled bytes are copied into
+place there), for itself and for others; answers nobody waits for yet stay with zmq until
+someone does. So waiting costs no hand-over to another thread, and a thread that issues calls is
+never interrupted by one that copies answers (two Python threads doing torch ops take turns at
+every op). The I/O thread is the control plane: it owns the scheduler connection (heartbeats,
+barriers, failure notices), sends the rows queued without waiting, and fails requests past their
+deadline.
 """
 
 from __future__ import annotations
@@ -14,6 +29,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from .. import config
@@ -25,24 +41,43 @@ from ..errors import (
     PSKVError,
     StoreClosedError,
 )
+from . import shm
 from .message import PULL, PUSH, Message, Type
-from .node import JobEnv, Node, failure
-from .tracker import OnReply, Request, Tracker
+from .node import JobEnv, Node, failure, host_identity
+from .tracker import Entry, Handle, OnReply, Request, Tracker
 from .van import PeerUnreachable, Van
 
 SCHEDULER = -1  # ``send``'s destination for the scheduler; servers are 0 .. S-1
+# rows queued without waiting leave once none was added for FLUSH_IDLE s, and at most FLUSH_DELAY s
+# after the first: a burst of calls shares messages, and a lone call is not held back
+FLUSH_IDLE = 0.0002
+FLUSH_DELAY = 0.002
 NOTHING: Any = object()  # a barrier that carries no value
+Sent = Callable[[float], bool]  # wait(timeout): true once a message's payload buffers may be reused
+
+
+Queued = tuple[Sequence[int], Sequence[Any], Entry]  # a row, its frames, the call it serves
 
 
 class WorkerClient(Node):
-    """A worker's connection to the job. :meth:`send` (one thread at a time per server, the
-    store's lock) and :meth:`wait` may be called from any thread."""
+    """A worker's connection to the job. Every method may be called from any thread."""
 
     def __init__(self, env: JobEnv, van: Optional[Van] = None):
         super().__init__(env, van)
-        self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()))
+        self.data = Van()  # the connections to the servers (``self.van`` has the scheduler's)
+        self._receiving = threading.Lock()  # held by the thread that receives answers from the servers
+        self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), lambda: self.fatal, self._pump)
+        self.shared = shm.Shared()
+        self.shm_servers: set[int] = set()  # the servers reached through shared memory
+        self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
+        self._batch_bytes = config.batch_bytes()
+        self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
+        self._pending_bytes: dict[int, int] = {}
+        self._first_queued: Optional[float] = None  # rows queued without waiting: the first's time
+        self._last_queued = 0.0
+        self._dozing = True  # the I/O thread sleeps long (no rows queued lately): wake it for new ones
         self._queued: list[tuple[str, Message, Request]] = []  # for the connections the I/O thread owns
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self.fatal: Optional[BaseException] = None
@@ -56,71 +91,156 @@ class WorkerClient(Node):
         return len(self.servers)
 
     def start(self) -> None:
-        """Join the job (blocks until every node registered), start the I/O thread, say HELLO."""
+        """Join the job (blocks until every node registered), start the I/O thread, say HELLO,
+        and set up shared memory with the servers on this host (``PSKV_SHM``)."""
         self.join(None)
         if not self.servers:
             self.van.close(linger=0)
+            self.data.close(linger=0)
             raise ClusterError(
                 "this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, "
                 "or use a local store"
             )
         for s in range(self.num_servers):
-            self.van.connect(f"server {s}", self.servers[s]["endpoint"])
-            self.van.connect(f"server {s}/tx", self.servers[s]["endpoint"], receive=False)
+            self.data.connect(f"server {s}", self.servers[s]["endpoint"])
+            self.data.connect(f"server {s}/tx", self.servers[s]["endpoint"], receive=False)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there
             self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in range(self.num_servers)])
+        self._probe_shm()
+
+    def _probe_shm(self) -> None:
+        want = shm.mode()
+        for s, info in enumerate(self.servers if want != "0" else []):
+            try:
+                if not host_identity() or info.get("shm_host") != host_identity():
+                    raise ProtocolError(f"server {s} ({info.get('hostname')}) is on another host")
+                answer: list[Message] = []
+                self.wait([self.send(s, Message(Type.SHM_PROBE, meta=self.shared.probe()), "shared-memory probe", answer.append)])
+                self.shared.accept(answer[0].meta or {}, int(info["pid"]))
+                self.shm_servers.add(s)
+            except ProtocolError as exc:
+                if want == "1":
+                    raise ClusterError(f"PSKV_SHM=1, but shared memory with server {s} failed: {exc}") from None
+
+    # -- sending ----------------------------------------------------------------------------------
 
     def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Request:
-        """Send ``msg`` to server ``to`` (or :data:`SCHEDULER`); returns its request to wait on.
+        """Send one whole message to server ``to`` (or :data:`SCHEDULER`); its request to wait on.
 
-        ``what`` names the request in errors. ``on_reply(answer)`` runs on the I/O thread for
-        each answer (a batched request gets one per group of parts answered). A request with
-        payload frames gets ``sent``: a wait for the moment its buffers may be reused.
+        ``what`` names the request in errors; ``on_reply(answer)`` runs on the I/O thread.
         """
+        self._check_open()
+        peer = "scheduler" if to == SCHEDULER else f"server {to}"
+        req = self.tracker.open(msg.type, what, peer, on_reply)
+        msg.req_id = req.req_id
+        if to == SCHEDULER:
+            with self._lock:  # the I/O thread owns that connection: it sends what is queued
+                self._queued.append((peer, msg, req))
+            self.van.wake()
+        elif msg.type == Type.HELLO and (msg.meta or {}).get("answers"):
+            with self._receiving:  # on the answer connection, owned by whoever receives
+                self._transmit(peer, msg, req)
+        else:
+            self._transmit(f"{peer}/tx", msg, req)
+        return req
+
+    def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0) -> None:
+        """Add a part's ``row`` (and its payload ``frames``) to ``server``'s next ``kind`` (PUSH or
+        PULL) message; ``entry`` is the call it serves. Sent by :meth:`flush`, in the order queued,
+        and at once when the server's queued bytes reach ``PSKV_BATCH_BYTES``."""
+        self._check_open()
+        with self._lock:
+            self._pending.setdefault((server, kind), []).append((row, frames, entry))
+            self._pending_bytes[server] = self._pending_bytes.get(server, 0) + nbytes
+            if self._pending_bytes[server] >= self._batch_bytes:
+                self.flush([server])
+
+    def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> list[Sent]:
+        """Send the queued rows of ``servers`` (all by default): a PUSH then a PULL message each.
+        ``soon``: leave it to the I/O thread instead (rows queued meanwhile join them). Returns,
+        for pushes with payload frames, waits for the moment those buffers may be reused."""
+        if soon:
+            self._last_queued = time.monotonic()
+            if self._first_queued is None:
+                self._first_queued = self._last_queued
+                if self._dozing:
+                    self.van.wake()
+            return []
+        sent: list[Sent] = []
+        with self._lock:
+            if servers is None:
+                self._first_queued = None
+            for key in sorted(k for k in self._pending if servers is None or k[0] in servers):  # a server's PUSH before its PULL
+                server, kind = key
+                batch = self._pending.pop(key)
+                self._pending_bytes.pop(server, None)
+                layout = PUSH if kind == Type.PUSH else PULL
+                frames = [f for q in batch for f in q[1]]
+                meta = self.push_meta if kind == Type.PUSH else None
+                msg = Message(kind, meta=meta, frames=[layout.pack([q[0] for q in batch]), *frames])
+                what = f"{kind.name.lower()} of {len(batch)} parts"
+                req = self.tracker.open(kind, what, f"server {server}", entries=[q[2] for q in batch])
+                if kind == Type.PULL and server in self.shm_servers:
+                    pid = int(self.servers[server]["pid"])
+                    req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
+                msg.req_id = req.req_id
+                waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
+                if waiter is not None:
+                    sent.append(waiter)
+        return sent
+
+    def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:
+        try:
+            with self._lock:
+                return self.data.send(peer, msg, track=track)
+        except PeerUnreachable as exc:
+            self.tracker.fail(req, exc)
+            return None
+
+    def _pump(self, timeout: float) -> None:
+        """Receive and handle the servers' answers for up to ``timeout`` s, unless another thread
+        is doing so (then just wait a little: it handles ours too)."""
+        if not self._receiving.acquire(timeout=timeout):
+            return
+        try:
+            if self.data.closed:
+                time.sleep(timeout)
+                return
+            for peer, msg in self.data.recv(timeout):
+                if isinstance(msg, ProtocolError):
+                    print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
+                else:
+                    self.tracker.answer(msg)
+        finally:
+            self._receiving.release()
+
+    def _check_open(self) -> None:
         if self._stop:
             raise StoreClosedError("the store's connection to the job is closed")
         if self.fatal is not None:
             self.check()
-        peer = "scheduler" if to == SCHEDULER else f"server {to}"
-        entries = 1
-        if msg.type == Type.INIT:
-            entries = len((msg.meta or {})["parts"])
-        elif msg.type in (Type.PUSH, Type.PULL):
-            entries = (PUSH if msg.type == Type.PUSH else PULL).count(msg.frames[0])
-        req = self.tracker.open(msg.type, what, peer, on_reply, entries)
-        msg.req_id = req.req_id
-        if to == SCHEDULER or (msg.type == Type.HELLO and (msg.meta or {}).get("answers")):
-            with self._lock:  # the I/O thread owns these connections: it sends what is queued
-                self._queued.append((peer, msg, req))
-            self.van.wake()
-            return req
-        try:
-            with self._lock:  # a push returns before its answer: it learns when its bytes are sent
-                req.sent = self.van.send(f"{peer}/tx", msg, track=msg.type == Type.PUSH)
-        except PeerUnreachable as exc:
-            self.tracker.fail(req, exc)
-        return req
 
-    # -- user side ----------------------------------------------------------------------------------
+    # -- waiting ------------------------------------------------------------------------------------
+
+    def handle(self, finish: Optional[Callable[[], None]] = None) -> Handle:
+        """A new :class:`Handle` for a store call whose rows are about to be queued."""
+        return Handle(self.tracker, finish, self.flush)
 
     def check(self) -> None:
         """Raise the job's fatal error, or the error of an earlier push, if any."""
-        if self.fatal is not None:
-            raise type(self.fatal)(str(self.fatal)) if isinstance(self.fatal, PSKVError) else self.fatal
-        self.tracker.raise_failed_push()
+        self.tracker.raise_failure()
 
-    def wait(self, reqs: list[Request]) -> None:
-        """Block until every request is answered; raise the first error (or the job's)."""
+    def wait(self, reqs: Sequence[Request | Handle]) -> None:
+        """Block until every request (or call) is answered; raise the first error (or the job's)."""
         self.tracker.wait(reqs)
-        self.check()
 
-    def wait_sent(self, reqs: list[Request]) -> None:
+    def wait_sent(self, sent: Sequence[Sent]) -> None:
         """Block until the payload buffers of these pushes may be reused (zmq has the bytes)."""
         until = time.monotonic() + self.tracker.timeout
-        for req in reqs:
-            while req.sent is not None and not req.sent(0.25):
+        for waiter in sent:
+            while not waiter(0.25):
                 self.check()
                 if time.monotonic() > until:
                     raise DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
@@ -135,34 +255,42 @@ class WorkerClient(Node):
         return got
 
     def close(self) -> None:
-        """Wait for outstanding requests, tell the scheduler this worker is done, stop the I/O thread."""
+        """Send what is queued, wait for outstanding requests, tell the scheduler this worker is
+        done, stop the I/O thread."""
         if self._thread is None or self._stop:
             return
         try:
             if self.fatal is None:
-                deadline = time.monotonic() + self.tracker.timeout
-                while len(self.tracker) and time.monotonic() < deadline and self.fatal is None:
-                    time.sleep(0.002)
+                self.flush()
+                until = time.monotonic() + self.tracker.timeout
+                while len(self.tracker) and time.monotonic() < until and self.fatal is None:
+                    self._pump(0.05)
                 self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing").done.wait(10.0)
         finally:
             self._stop = True
             self.van.wake()
             self._thread.join(timeout=15.0)
+            with self._receiving:
+                self.data.close(linger=2.0)
 
     # -- I/O thread -----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        import torch
+
+        torch.set_grad_enabled(False)  # it writes pulled values into tensors that may require grad
         try:
             while not self._stop:
                 self._send_queued()
-                for peer, msg in self.van.recv(0.25):
-                    if isinstance(msg, ProtocolError):
-                        print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
-                    elif peer == "scheduler":
+                due = self._flush_due()
+                now = time.monotonic()
+                # while calls come (rows queued in the last 50 ms), look often instead of being woken
+                self._dozing = now - self._last_queued > 0.05
+                timeout = (0.25 if self._dozing else FLUSH_DELAY) if due is None else max(0.0, due - now)
+                for _, msg in self.van.recv(timeout):
+                    if not isinstance(msg, ProtocolError):
                         self.heard_from_scheduler()
                         self._control(msg)
-                    else:
-                        self.tracker.answer(msg)
                 now = time.monotonic()
                 self.tick(now)
                 self.tracker.expire(now)
@@ -172,12 +300,19 @@ class WorkerClient(Node):
             self._send_queued()
             self.van.close(linger=2.0)
 
+    def _flush_due(self) -> Optional[float]:
+        first = self._first_queued
+        return None if first is None else min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE)
+
     def _send_queued(self) -> None:
+        due = self._flush_due()
+        if due is not None and time.monotonic() >= due:
+            self.flush()
         with self._lock:
             queued, self._queued = self._queued, []
         for peer, msg, req in queued:
             try:
-                self.van.send(peer, msg)
+                self.van.send(peer, msg)  # the scheduler
             except PeerUnreachable as exc:
                 self.tracker.fail(req, exc)
 
@@ -193,3 +328,4 @@ class WorkerClient(Node):
         if self.fatal is None:
             self.fatal = exc
         self.tracker.fail_all(exc)
+

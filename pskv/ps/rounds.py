@@ -197,6 +197,7 @@ class Rounds:
 
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
         """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
+        latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
             if p.mode == "async" and self.optimizer is None:
@@ -205,9 +206,10 @@ class Rounds:
                 )
             if p.mode == "sync" and rank in self.finished:
                 raise NodeFailedError(f"worker {rank} pushed after it finished")
-            expected = p.pushed.get(rank, 0) + 1
+            expected = latest.get(id(p), p.pushed.get(rank, 0)) + 1
             if e.round > expected and p.mode == "sync":  # async: rounds skipped by rejected pushes do not matter
                 raise ProtocolError(f"{p}: worker {rank} pushed round {e.round} but its next round is {expected}")
+            latest[id(p)] = max(expected - 1, e.round)
         out: list[Answer] = []
         touched: dict[int, Part] = {}
         for i, e in enumerate(entries):

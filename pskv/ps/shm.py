@@ -86,7 +86,7 @@ class Shared:
     def __init__(self) -> None:
         self.arenas: list[Arena] = []
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._views: dict[tuple[int, int, int, int, torch.dtype], torch.Tensor] = {}  # slots are reused every round
+        self._views: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def slot(self, nbytes: int) -> tuple[Arena, int]:
         """A fresh slot of ``nbytes`` in one of our arenas, and its offset."""
@@ -138,9 +138,10 @@ class Shared:
             raise ProtocolError(f"shared memory of pid {pid} fd {fd} has another token")
         return mm
 
-    def tensor(self, pid: int, fd: int, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked)."""
-        key = (pid, fd, offset, nbytes, dtype)
+    def tensor(self, pid: int, fd: int, offset: int, nbytes: int, dtype: torch.dtype, shape: Optional[torch.Size] = None) -> torch.Tensor:
+        """A tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked),
+        1-D or viewed in ``shape``; kept, since slots are used again every round."""
+        key = (pid, fd, offset, nbytes, dtype, shape)
         view = self._views.get(key)
         if view is None:
             mm = self._map(pid, fd)
@@ -148,5 +149,5 @@ class Shared:
             if offset < HEADER.size or nbytes < 0 or offset + nbytes > len(mm) or offset % size or nbytes % size:
                 raise ProtocolError(f"shared-memory slot [{offset}, {offset + nbytes}) is outside pid {pid}'s arena of {len(mm)} bytes")
             view = torch.frombuffer(mm, dtype=dtype, count=nbytes // size, offset=offset) if nbytes else torch.empty(0, dtype=dtype)
-            self._views[key] = view
+            self._views[key] = view = view if shape is None else view.view(shape)
         return view

@@ -148,6 +148,10 @@ class Van:
                     out.append((peer, exc))
         return out
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def wake(self) -> None:
         """Make a blocked :meth:`recv` return now; safe from any thread."""
         fd = self._wake_w

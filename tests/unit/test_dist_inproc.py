@@ -71,8 +71,15 @@ def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.Monkey
         assert bool(kv._shm_servers) == (shm == "1")  # type: ignore[attr-defined]
         kv.init(keys, [torch.zeros(1000, 1000 + k) for k in keys])  # 2 parts each: one per server
         sends = []
-        real = kv._send_push  # type: ignore[attr-defined]
-        kv._send_push = lambda server, b: (sends.append(len(b.rows)), real(server, b))[1]  # type: ignore[attr-defined]
+        van = kv._client.data  # type: ignore[attr-defined]
+        real = van.send
+
+        def counting(peer: str, msg: Message, track: bool = False) -> Any:
+            if msg.type == Type.PUSH:
+                sends.append(len(msg.frames[0]) // (8 * 7))  # rows in its PUSH table
+            return real(peer, msg, track)
+
+        van.send = counting
         kv.push(keys, [torch.full((1000, 1000 + k), float(kv.rank + 1 + k)) for k in keys])
         outs = [torch.empty(1000, 1000 + k) for k in keys]
         kv.pull(keys, outs)
@@ -385,3 +392,67 @@ def test_surplus_and_duplicate_registrations_are_refused(inproc_job: Job) -> Non
             extra.join(None)
         extra.van.close(0)
         kv.init(0, torch.ones(1))
+
+
+def test_thousands_of_small_calls_in_flight_travel_in_few_messages(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2,000 keys of 4 floats, one pushpull per key with wait=False: rows queued together share
+    messages, and every value follows the formula. With the I/O thread's delay made long, all of
+    a round's rows leave when the first handle is waited for: one PUSH per server."""
+    monkeypatch.setattr("pskv.ps.client.FLUSH_DELAY", 600.0)
+    monkeypatch.setattr("pskv.ps.client.FLUSH_IDLE", 600.0)
+    job = inproc_job(2, 2)
+    keys = list(range(2000))
+
+    def body(kv: KVStore) -> int:
+        kv.init(keys, [torch.zeros(4)] * len(keys))
+        sent = []
+        van = kv._client.data  # type: ignore[attr-defined]
+        real = van.send
+        van.send = lambda peer, msg, track=False: (sent.append(msg.type), real(peer, msg, track))[1]
+        outs = [torch.empty(4) for _ in keys]
+        for rnd in range(2):
+            handles = [kv.pushpull(k, torch.full((4,), float(kv.rank + 1 + k)), out=o, wait=False) for k, o in zip(keys, outs)]
+            for h in handles:
+                h.wait()  # type: ignore[union-attr]
+            assert all(torch.all(o == 3 + 2 * k) for k, o in zip(keys, outs)), rnd
+        return sum(t == Type.PUSH for t in sent)
+
+    assert job.run_workers(body) == [2 * 2, 2 * 2]  # 2 rounds x 2 servers, for 4,000 pushes
+
+
+def test_calls_not_waited_for_are_sent_by_the_io_thread(inproc_job: Job) -> None:
+    job = inproc_job(1, 1)
+    with job.worker() as kv:
+        kv.init("w", torch.zeros(3))
+        h = kv.push("w", torch.ones(3), wait=False)
+        until = time.monotonic() + 10
+        while not h.done() and time.monotonic() < until:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert h.done(), "nobody waited, and the push never left"  # type: ignore[union-attr]
+        h = kv.pull("w", out := torch.zeros(3), wait=False)
+        while not h.done() and time.monotonic() < until:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert h.done() and torch.equal(out, torch.ones(3))  # type: ignore[union-attr]
+
+
+def test_a_push_waits_for_an_earlier_pull_of_the_same_key(inproc_job: Job) -> None:
+    """An answer may be the server's value itself: pushing the key again before reading it could
+    change it under the reader, so the store waits for the pull first."""
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init("w", torch.zeros(1000))
+        seen = []
+        for i in range(20):
+            out = torch.empty(1000)
+            kv.push("w", torch.full((1000,), float(i + kv.rank)), wait=False)
+            h = kv.pull("w", out, wait=False)
+            kv.push("w", torch.full((1000,), 1000.0), wait=False)  # the next round, before h is waited for
+            kv.pull("w", torch.empty(1000))
+            h.wait()  # type: ignore[union-attr]
+            assert torch.all(out == out[0]), "a torn read"
+            seen.append(out[0].item())
+        return seen
+
+    want = [2.0 * i + 1 for i in range(20)]
+    assert job.run_workers(body) == [want, want]

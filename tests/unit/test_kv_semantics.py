@@ -359,3 +359,30 @@ def test_no_warning_from_internal_sparse_tensors(kv: KVStore) -> None:
         warnings.simplefilter("error")
         kv.row_sparse_pull(0, out, row_ids=torch.tensor([2]))
         kv.push(0, [rs([1], torch.ones(1, 2), (3, 2)), rs([1, 2], torch.ones(2, 2), (3, 2))])
+
+
+# -- calls in flight (wait=False) -----------------------------------------------------------------
+
+
+def test_calls_in_flight_return_handles(kv: KVStore) -> None:
+    keys = [f"k{i}" for i in range(5)]
+    kv.init(keys, [torch.zeros(3)] * 5)
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+    grads = [torch.full((3,), float(i + 1)) for i in range(5)]
+    pushes = [kv.push(k, g, wait=False) for k, g in zip(keys, grads)]
+    for g in grads:
+        g.fill_(100.0)  # the values were taken when push returned
+    outs = [torch.full((3,), float("nan")) for _ in keys]
+    pulls = [kv.pull(k, o, wait=False) for k, o in zip(keys, outs)]
+    for h in pulls + pushes:
+        assert h is not None
+        h.wait()
+        assert h.done()
+    assert [o.tolist() for o in outs] == [[-(i + 1.0)] * 3 for i in range(5)]
+    both = kv.pushpull(keys, [torch.ones(3)] * 5, out=outs, wait=False)
+    assert both is not None
+    both.wait()
+    assert [o[0].item() for o in outs] == [-(i + 2.0) for i in range(5)]
+    assert kv.push(keys[0], torch.ones(3)) is None  # blocking calls return nothing
+    with pytest.raises(pskv.KeyNotInitializedError):
+        kv.pull("nope", torch.empty(3), wait=False)  # arguments are checked before anything is sent

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Many small keys: 2,000 keys of 4 floats, 2 workers x 2 servers on this machine.
+
+A round is every worker calling ``pushpull`` once per key, three ways, in the same job:
+
+- ``blocking``: one call per key, each waiting for its answer (what pskv did before handles);
+- ``in flight``: one call per key with ``wait=False``, then waiting for every handle;
+- ``one call``: a single ``pushpull`` of all keys (the bound: one message each way per server).
+
+Every value is checked against SPEC section 3 (no optimizer: the sum of the workers' pushes).
+
+    .venv/bin/python benchmarks/small_keys.py [--keys 2000] [--rounds 5] [--json benchmarks/results/small_keys.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
+    import pskv
+
+    kv = pskv.kv.create("dist_sync")
+    keys = list(range(args.keys))
+    kv.init(keys, [torch.zeros(4)] * len(keys))
+    outs = [torch.empty(4) for _ in keys]
+    times: dict[str, list[float]] = {"blocking": [], "in flight": [], "one call": []}
+    sent = 0
+    for rnd in range(args.rounds + 1):  # round 0 warms up
+        for mode in times:
+            grads = [torch.full((4,), float(kv.rank + 1 + k + rnd)) for k in keys]
+            kv.barrier()
+            t0 = time.perf_counter()
+            if mode == "blocking":
+                for k, g, o in zip(keys, grads, outs):
+                    kv.pushpull(k, g, out=o)
+            elif mode == "in flight":
+                handles = [kv.pushpull(k, g, out=o, wait=False) for k, g, o in zip(keys, grads, outs)]
+                for h in handles:
+                    h.wait()  # type: ignore[union-attr]
+            else:
+                kv.pushpull(keys, grads, out=outs)
+            if rnd:
+                times[mode].append(time.perf_counter() - t0)
+            sent += 1
+            w = kv.num_workers
+            bad = [k for k, o in zip(keys, outs) if not torch.all(o == w * (w + 1) / 2 + w * (k + rnd))]
+            if bad:
+                raise SystemExit(f"worker {kv.rank}: {mode}: wrong values for {len(bad)} keys, e.g. key {bad[0]}")
+    everyone = kv.allgather({m: t for m, t in times.items()})
+    kv.close()
+    if kv.rank == 0:
+        rows = {m: statistics.median(max(r) for r in zip(*(e[m] for e in everyone))) for m in times}
+        Path(args.out).write_text(json.dumps(rows))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--keys", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json", type=Path, default=HERE / "results" / "small_keys.json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"pskv-small-keys-{os.getpid()}.json"
+    cmd = [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", sys.executable, __file__,
+           "--worker", "--keys", str(args.keys), "--rounds", str(args.rounds), "--out", str(out)]  # fmt: skip
+    subprocess.run(cmd, check=True)
+    rows = json.loads(out.read_text())
+    out.unlink()
+    print(f"{args.keys} keys of 4 floats, 2 workers x 2 servers, pushpull per key; median round of {args.rounds}")
+    for mode, seconds in rows.items():
+        print(f"  {mode:10} {seconds:8.3f} s")
+    print(f"in flight / blocking: {rows['in flight'] / rows['blocking']:.2f}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"keys": args.keys, "rounds": args.rounds, "round_s": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
