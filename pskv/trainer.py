@@ -10,6 +10,18 @@ It works with any store. ``trainer.step(batch_size)`` after ``loss.backward()``:
 3. otherwise: push + pull of the gradients (``allreduce_grads``), then the optimizer updates the
    first replica's weights here and the others receive a copy (``update``).
 
+**Overlap** (``overlap=True``; by default on for a dist store whose parameters are on a GPU or
+whose servers are on other hosts): every gradient is pushed from an autograd hook as soon as it
+is ready during ``backward`` (the last layers' first, as backward produces them), so the
+exchange runs while the rest of backward computes; ``step`` pushes only what backward did not
+(parameters unused in the step), sends the pulls and returns; each layer's new weights are waited
+for just before that layer's next forward (a forward pre-hook), so the pulls overlap the next
+forward. The servers merge each round as its pushes arrive and apply it with the rescale that
+``step(batch_size)`` sends with its pulls, so the numbers are those of the plain path.
+Gradient accumulation: run every backward but the last inside ``with trainer.no_sync():``.
+Read the weights outside a forward (saving them, evaluating with functional code) after
+``trainer.synchronize()``.
+
 Parameters come from ``model.parameters()`` (keys 0, 1, ...) or ``model.named_parameters()``
 (keys are the names); a parameter shared by two modules is trained once; frozen parameters
 (``requires_grad=False``) are left alone. For several devices in one process pass one such
@@ -25,17 +37,21 @@ as in the tutorials.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from . import optim
 from .errors import OptimizerError, TrainerError
 from .kv import KVStore, create
 from .kv.base import Key
+from .ps.tracker import Handle
 
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
@@ -91,6 +107,11 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     return keys, replicas
 
 
+def _remove(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
+
+
 class Trainer:
     """Applies an optimizer to parameters through a store. Not thread-safe.
 
@@ -98,6 +119,8 @@ class Trainer:
     A ``local``/``device`` store with a single replica is skipped (the optimizer runs here).
     ``update_on_kvstore=None`` picks: True for dist types and for several replicas; ``dist_async``
     requires it; False runs the optimizer here and uses the store only to sum gradients.
+    ``overlap``: exchange during backward and the next forward (see the module docstring);
+    ``None`` turns it on where it pays.
     """
 
     def __init__(
@@ -108,6 +131,7 @@ class Trainer:
         kvstore: Union[str, KVStore, None] = "device",
         compression_params: Optional[dict[str, Any]] = None,
         update_on_kvstore: Optional[bool] = None,
+        overlap: Optional[bool] = None,
     ):
         self._keys, self._reps = _replicas(params)
         if isinstance(optimizer, optim.Optimizer):
@@ -121,6 +145,8 @@ class Trainer:
         self._steps = 0
         self._kv = self._make_store(kvstore, update_on_kvstore)
         self._update_on_kvstore = self._pick_update_on_kvstore(update_on_kvstore)
+        # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
+        self._held = self._kv is not None and self._update_on_kvstore and self._kv.type in ("dist_sync", "dist_device_sync")
         if self._kv is not None:
             if compression_params:
                 self._kv.set_gradient_compression(compression_params)
@@ -131,6 +157,13 @@ class Trainer:
                 self._sent_scale = self._optimizer.rescale_grad
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
+        self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
+        self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
+        self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
+        self._syncing = True
+        self._overlap = self._pick_overlap(overlap)
+        if self._overlap:
+            self._arm()
 
     # -- setup ------------------------------------------------------------------------------------
 
@@ -155,6 +188,80 @@ class Trainer:
             return True
         return True if asked is None else bool(asked)
 
+    def _pick_overlap(self, asked: Optional[bool]) -> bool:
+        dist = self._kv is not None and self._kv.type.startswith("dist")
+        if asked and not dist:
+            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
+        if asked is not None:
+            return bool(asked)
+        # it pays where backward leaves the CPU free for the exchange (a GPU) or the exchange
+        # waits for a network; on one host with shared memory both compete for the same cores
+        remote = self._kv is not None and len(getattr(self._kv, "_shm_servers", ())) < getattr(self._kv, "num_servers", 0)
+        return dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
+
+    def _arm(self) -> None:
+        """Hooks: each gradient leaves when backward has made it for every replica; each module
+        waits for its parameters' exchange before its forward."""
+        where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
+        me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
+
+        def grad_ready(param: Tensor) -> None:
+            trainer = me()
+            if trainer is not None:
+                trainer._grad_ready(param)
+
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            trainer = me()
+            if trainer is not None and trainer._inflight:
+                for t in module._parameters.values():
+                    i = where.get(id(t)) if t is not None else None
+                    if i is not None and i in trainer._inflight:
+                        trainer._inflight.pop(i).wait()
+
+        hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
+        hooks.append(register_module_forward_pre_hook(before_forward))
+        weakref.finalize(self, _remove, hooks)
+
+    def _grad_ready(self, param: Tensor) -> None:
+        if not self._syncing:
+            return
+        i = self._where[id(param)]
+        if self._pushed[i]:
+            raise TrainerError(
+                f"parameter {self._keys[i]!r} got a second gradient before step(): accumulate gradients "
+                "over several backward passes inside `with trainer.no_sync():` (all but the last)"
+            )
+        self._ready[i] += 1
+        if self._ready[i] == len(self._reps):
+            self._send(i, [rep[i].grad for rep in self._reps])  # type: ignore[misc]
+
+    def _send(self, i: int, grads: list[Tensor]) -> None:
+        """Push key ``i``'s gradients (without waiting); gradient sums come back into them."""
+        assert self._kv is not None
+        self._pushed[i] = True  # till the end of step: a second gradient before then is refused
+        if self._update_on_kvstore:
+            self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
+        else:
+            handle = self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False)
+            assert handle is not None
+            self._inflight[i] = handle
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients of the backward passes inside stay here (they accumulate); the next backward
+        outside sends the sums. Only meaningful with overlap (otherwise ``step`` sends them)."""
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+    def synchronize(self) -> None:
+        """Wait for every exchange still in flight: the weights are then the step's (or the
+        summed gradients, with ``update_on_kvstore=False``)."""
+        while self._inflight:
+            self._inflight.pop(next(iter(self._inflight))).wait()
+
     @property
     def kvstore(self) -> Optional[KVStore]:
         """The store the Trainer uses (None when it needs none)."""
@@ -168,6 +275,11 @@ class Trainer:
     def update_on_kvstore(self) -> bool:
         return self._update_on_kvstore
 
+    @property
+    def overlap(self) -> bool:
+        """Whether the exchange overlaps backward and the next forward."""
+        return self._overlap
+
     def _per_key(self, pick: Any) -> list[list[Tensor]]:
         return [[pick(rep[i]) for rep in self._reps] for i in range(len(self._keys))]
 
@@ -180,31 +292,34 @@ class Trainer:
 
     def set_learning_rate(self, lr: float) -> None:
         """Set the base learning rate, on the servers too when they run the optimizer."""
+        self.synchronize()
         self._optimizer.set_learning_rate(lr)
         if self._update_on_kvstore and self._kv is not None:
             self._kv.set_optimizer(self._optimizer)  # the same object: states are kept
 
     # -- the step -------------------------------------------------------------------------------
 
-    def _set_scale(self, batch_size: float) -> None:
+    def _set_scale(self, batch_size: float) -> float:
         if not isinstance(batch_size, (int, float)) or isinstance(batch_size, bool) or batch_size <= 0:
             raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")
         scale = self._scale / batch_size
         self._optimizer.set_rescale_grad(scale)
-        if self._update_on_kvstore and self._kv is not None and scale != self._sent_scale:
+        # dist_sync: the scale goes with the pulls of the held round; dist_async: to the servers' optimizer
+        if self._update_on_kvstore and self._kv is not None and not self._held and scale != self._sent_scale:
             self._kv.set_optimizer(self._optimizer)
             self._sent_scale = scale
+        return scale
 
-    def _grads(self, ignore_stale_grad: bool) -> list[list[Tensor]]:
+    def _grads(self, ignore_stale_grad: bool, which: Sequence[int]) -> list[list[Tensor]]:
         out = []
-        for i, key in enumerate(self._keys):
+        for i in which:
             grads = []
             for d, rep in enumerate(self._reps):
                 g = rep[i].grad
                 if g is None:
                     if not ignore_stale_grad:
                         raise TrainerError(
-                            f"parameter {key!r} (replica {d}) has no gradient: it was not used in the forward pass "
+                            f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was not used in the forward pass "
                             "since the last step; pass ignore_stale_grad=True to push zeros for it"
                         )
                     g = torch.zeros_like(rep[i])
@@ -212,24 +327,43 @@ class Trainer:
             out.append(grads)
         return out
 
+    def _unsent(self) -> list[int]:
+        """The keys backward did not push (all of them without overlap)."""
+        return [i for i, sent in enumerate(self._pushed) if not sent]
+
+    def _next_step(self) -> None:
+        self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
+        self._steps += 1
+
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size``, update.
 
-        Blocks until every replica holds the new weights. Parameters without a gradient are an
+        Blocks until every replica holds the new weights (with overlap: returns once the pulls
+        are sent; each layer's forward waits for its own). Parameters without a gradient are an
         error unless ``ignore_stale_grad`` (then they count as zero gradients, so dist rounds
         stay complete).
         """
-        self._set_scale(batch_size)
-        if self._update_on_kvstore:
-            assert self._kv is not None
-            with torch.no_grad():
-                self._kv.push(self._keys, self._grads(ignore_stale_grad))
-                self._kv.pull(self._keys, self._per_key(lambda t: t))
-            self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
-        else:
+        scale = self._set_scale(batch_size)
+        if not self._update_on_kvstore:
             self._allreduce(ignore_stale_grad)
             self._update_here()
-        self._steps += 1
+            return
+        assert self._kv is not None
+        rest = self._unsent()
+        grads = self._grads(ignore_stale_grad, rest)
+        rescale = scale if self._held else None
+        with torch.no_grad():
+            if rest:
+                self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
+            if self._overlap:  # a pull per key: each layer's forward waits only for its own
+                for i, key in enumerate(self._keys):
+                    handle = self._kv.pull(key, [rep[i] for rep in self._reps], priority=-i, wait=False, _rescale=rescale)
+                    assert handle is not None
+                    self._inflight[i] = handle
+            else:
+                self._kv.pull(self._keys, self._per_key(lambda t: t), _rescale=rescale)
+        self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
+        self._next_step()
 
     def allreduce_grads(self, ignore_stale_grad: bool = False) -> None:
         """Replace every replica's gradient by the sum over devices and workers."""
@@ -243,19 +377,24 @@ class Trainer:
             raise TrainerError("update() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
         self._set_scale(batch_size)
         self._update_here()
-        self._steps += 1
 
     def _allreduce(self, ignore_stale_grad: bool) -> None:
-        grads = self._grads(ignore_stale_grad)
-        if self._kv is None:
-            return
+        rest = self._unsent()
+        grads = self._grads(ignore_stale_grad, rest)
         with torch.no_grad():
-            self._kv.push(self._keys, grads)
-            self._kv.pull(self._keys, grads, ignore_sparse=False)
-        for i in range(len(self._keys)):  # a pushed stand-in for a missing grad becomes the grad
-            for rep, g in zip(self._reps, grads[i]):
+            if self._kv is not None and self._overlap:
+                for i, key_grads in zip(rest, grads):
+                    self._send(i, key_grads)
+                self.synchronize()
+            elif self._kv is not None and rest:
+                keys = [self._keys[i] for i in rest]
+                self._kv.push(keys, grads)
+                self._kv.pull(keys, grads, ignore_sparse=False)
+        for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad
+            for rep, g in zip(self._reps, gs):
                 if rep[i].grad is None:
                     rep[i].grad = g
+        self._next_step()
 
     def _update_here(self) -> None:
         with torch.no_grad():
@@ -272,6 +411,7 @@ class Trainer:
 
     def save_states(self, path: Union[str, Path]) -> None:
         """Write the optimizer's states (from the servers when they run it) to ``path``."""
+        self.synchronize()
         if self._update_on_kvstore and self._kv is not None:
             self._kv.save_optimizer_states(path)
         else:
@@ -279,6 +419,7 @@ class Trainer:
 
     def load_states(self, path: Union[str, Path]) -> None:
         """Restore states written by :meth:`save_states` (to the servers when they run the optimizer)."""
+        self.synchronize()
         if self._update_on_kvstore and self._kv is not None:
             self._kv.load_optimizer_states(path)
             self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))

@@ -216,7 +216,7 @@ class KVStore(ABC):
             for meta, _ in new:
                 self._keys[meta.key] = meta
 
-    def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True) -> Optional[Handle]:
+    def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False) -> Optional[Handle]:
         """Push ``value`` (a tensor or a list of per-device tensors) to ``key``.
 
         The list is summed, and so are values of a key repeated in one call. Without an
@@ -227,15 +227,20 @@ class KVStore(ABC):
         ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle` at once (the values are taken
         before it returns); ``handle.wait()`` blocks until the servers acknowledged the push. A
         push that fails makes the next call fail, waited for or not.
+
+        (``_held``, for the Trainer: on the servers, the round's update waits for the rescale that
+        a pull with ``_rescale`` brings, so gradients can go before the batch size is known.)
         """
         with self._lock:
             self._check_open()
             groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
             with torch.no_grad():
-                handle = self._push_impl(groups, int(priority), wait)
+                handle = self._push_impl(groups, int(priority), wait, _held)
             return None if wait else handle or Handle()
 
-    def pull(self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True) -> Optional[Handle]:
+    def pull(
+        self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True, *, _rescale: Optional[float] = None
+    ) -> Optional[Handle]:
         """Copy the value of ``key`` into ``out`` (a tensor or a list; each gets the value).
 
         Sees every earlier push of this caller. A row-sparse key cannot be pulled into a dense
@@ -270,7 +275,7 @@ class KVStore(ABC):
             handle = None
             if kept:
                 with torch.no_grad():
-                    handle = self._pull_impl(kept, int(priority), wait)
+                    handle = self._pull_impl(kept, int(priority), wait, _rescale)
             return None if wait else handle or Handle()
 
     def pushpull(
@@ -284,7 +289,7 @@ class KVStore(ABC):
             groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
             self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
             with torch.no_grad():
-                self._push_impl(groups, int(priority), wait)
+                self._push_impl(groups, int(priority), wait, False)
             return self.pull(key, target, priority, wait=wait)
 
     def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:
@@ -422,11 +427,11 @@ class KVStore(ABC):
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
 
     @abstractmethod
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         """Push; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     @abstractmethod
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     @abstractmethod

@@ -34,7 +34,7 @@ from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
 from ..ps import trace
 from ..ps.client import WorkerClient
-from ..ps.message import Message, PushKind, Type, dtype_name, frame_tensor, tensor_frame
+from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
@@ -132,7 +132,7 @@ class DistStore(KVStore):
         msgs = {s: Message(Type.INIT, meta={"mode": mode, "parts": rows}, frames=frames) for s, (rows, frames) in batches.items()}
         self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
 
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError(
@@ -141,7 +141,7 @@ class DistStore(KVStore):
         trace.event("push starts")
         handle = self._client.handle()
         for meta, values in items:
-            for p, row, frames in self._push_parts(meta, values, borrow=wait):
+            for p, row, frames in self._push_parts(meta, values, wait, int(held)):
                 # TCP: a message leaves every PSKV_BATCH_BYTES, so the server sums one while the
                 # next is on the wire. Shared memory: every stage is a pass over memory, so
                 # overlapping them only makes them compete for the memory bus and the cores.
@@ -157,7 +157,7 @@ class DistStore(KVStore):
         trace.event("push copied and sent")
         return None
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool) -> list[tuple[Part, list[int], list[Any]]]:
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int) -> list[tuple[Part, list[int], list[Any]]]:
         """Each part of one key's push: its PUSH row and payload frames (none through shared memory).
 
         ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
@@ -190,10 +190,10 @@ class DistStore(KVStore):
                 r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
                 sel = (ids >= r0) & (ids < r1)
                 frames = [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0], frames))
+                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held], frames))
             elif self._compressor is not None:
                 frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0], frames))
+                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held], frames))
             elif p.server in self._client.shm_servers:
                 slot = self._slots.get(where)
                 if slot is None:
@@ -205,14 +205,14 @@ class DistStore(KVStore):
                 for f in flats[1:]:
                     slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
                 fd, offset = slot.home  # type: ignore[attr-defined]
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset], []))
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held], []))
             else:
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0], [tensor_frame(merged_flat[p.start : p.stop])]))
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held], [tensor_frame(merged_flat[p.start : p.stop])]))
         return out
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()
         copies: list[tuple[Tensor, list[Tensor]]] = []
 
@@ -229,15 +229,16 @@ class DistStore(KVStore):
             parts = self._parts[meta.id]
             flat = buf if len(parts) == 1 else buf.view(-1)  # filled by the I/O thread
             for p in parts:
-                self._queue_pull(handle, meta, p, flat if len(parts) == 1 else flat[p.start : p.stop])
+                self._queue_pull(handle, meta, p, flat if len(parts) == 1 else flat[p.start : p.stop], rescale=rescale)
             copies.append((buf, outs[1:] if direct else outs))
         trace.event("pull sent")
         return self._done(handle, wait)
 
-    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None) -> None:
+    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None) -> None:
         where = (meta.id, p.index)
+        rescale_bits = 0 if rescale is None else float_bits(rescale)
         shm_ok = rows is None and p.server in self._client.shm_servers
-        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None))
+        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None), rescale_bits)
         self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype))
         self._before_push[where] = handle
 

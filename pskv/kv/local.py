@@ -8,7 +8,7 @@ accelerators a list of CPU tensors stands in for several devices.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -45,7 +45,7 @@ class LocalStore(KVStore):
             stored = v.detach().to(self._home(v), copy=True)
             self._values[meta.id] = stored.to_dense() if stored.is_sparse else stored
 
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> None:
+    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> None:
         for meta, values in items:
             comp = self._compressor
             if comp is not None:
@@ -57,7 +57,7 @@ class LocalStore(KVStore):
             stored = self._values[meta.id]
             apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True)  # merged is ours
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> None:
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> None:
         for meta, outs in items:
             stored = self._values[meta.id]
             for out in outs:

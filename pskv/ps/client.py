@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import torch
+
 from .. import config
 from ..errors import (
     ClusterError,
@@ -208,11 +210,13 @@ class WorkerClient(Node):
             if self.data.closed:
                 time.sleep(timeout)
                 return
-            for peer, msg in self.data.recv(timeout):
-                if isinstance(msg, ProtocolError):
-                    print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
-                else:
-                    self.tracker.answer(msg)
+            received = self.data.recv(timeout)
+            with torch.no_grad():  # pulled values go into tensors that may require grad
+                for peer, msg in received:
+                    if isinstance(msg, ProtocolError):
+                        print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
+                    else:
+                        self.tracker.answer(msg)
         finally:
             self._receiving.release()
 
@@ -276,9 +280,6 @@ class WorkerClient(Node):
     # -- I/O thread -----------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        import torch
-
-        torch.set_grad_enabled(False)  # it writes pulled values into tensors that may require grad
         try:
             while not self._stop:
                 self._send_queued()

@@ -112,15 +112,29 @@ class PushKind(enum.IntEnum):
 
 
 #: a pushed part: ``frames`` payload frames follow in row order; ``fd`` >= 0: the dense bytes are
-#: at ``offset`` in the sender's shared-memory arena ``fd`` instead
-PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset")
+#: at ``offset`` in the sender's shared-memory arena ``fd`` instead; ``held`` 1: the round's
+#: update waits for the rescale a pull brings (the Trainer's pushes, sent before it knows the batch)
+PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held")
 #: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
 #: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
-#: ids (int64, local to the part) come in the next row-id frame
-PULL = Layout("PullRow", "key", "part", "round", "shm", "rows")
+#: ids (int64, local to the part) come in the next row-id frame; ``rescale``: 0, or the bits of a
+#: float64 that scales the held round's gradient (:func:`float_bits`)
+PULL = Layout("PullRow", "key", "part", "round", "shm", "rows", "rescale")
 #: an answered entry of a batched request: ``entry`` is its row; ``fd`` >= 0: the value is at
 #: ``offset`` (``nbytes``) of the server's arena ``fd``; -1: in the next payload frame (DATA only)
 ANSWER = Layout("AnswerRow", "entry", "fd", "offset", "nbytes")
+
+
+def float_bits(x: float) -> int:
+    """A float64 as the int64 of the same bits, for a table column (0.0 is 0)."""
+    value: int = struct.unpack("<q", struct.pack("<d", x))[0]
+    return value
+
+
+def bits_float(i: int) -> float:
+    """The float64 whose bits the int64 ``i`` holds."""
+    value: float = struct.unpack("<d", struct.pack("<q", i))[0]
+    return value
 
 
 @dataclass

@@ -89,12 +89,14 @@ class PushEntry(NamedTuple):
     round: int
     grad: Tensor  # rows x row_numel, dense or row-sparse
     ack_when_merged: bool  # the bytes are the worker's (shared memory): it may reuse them once merged
+    held: bool = False  # the round's update waits for the rescale a pull brings (Trainer.step)
 
 
 class PullEntry(NamedTuple):
     part: Part
     round: int
     rows: Optional[Tensor] = None  # int64 row ids local to the part, checked
+    rescale: Optional[float] = None  # the rescale of a held round's update
 
 
 @dataclass(eq=False)
@@ -114,7 +116,8 @@ class Part:
     inits: list[Waiting] = field(default_factory=list)  # INITs answered when the value arrives
     rounds: int = 0  # rounds completed
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
-    queued: dict[int, deque[tuple[Tensor, Optional[Waiting]]]] = field(default_factory=dict)  # not merged yet
+    queued: dict[int, deque[tuple[Tensor, Optional[Waiting], bool]]] = field(default_factory=dict)  # not merged yet
+    held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
     pulls: list[Waiting] = field(default_factory=list)
 
     @property
@@ -224,7 +227,7 @@ class Rounds:
                 out.append(Answer(req, i))
                 continue
             ack = Waiting(req, i, e.round) if e.ack_when_merged else None
-            p.queued.setdefault(rank, deque()).append((e.grad, ack))
+            p.queued.setdefault(rank, deque()).append((e.grad, ack, e.held))
             if ack is None:
                 out.append(Answer(req, i))
             touched[id(p)] = p
@@ -234,35 +237,45 @@ class Rounds:
         return out
 
     def _complete(self, p: Part) -> list[Answer]:
-        """Merge every round of ``p`` that has one push from each worker; answer who waited for them."""
+        """Merge every round of ``p`` that has one push from each worker; answer who waited for them.
+        A held round stops here: its update waits for the rescale a pull brings."""
         out: list[Answer] = []
-        while all(p.queued.get(r) for r in self.workers):
+        while p.held is None and all(p.queued.get(r) for r in self.workers):
             entries = [p.queued[r].popleft() for r in self.workers]
-            self._merge_and_apply(p, [g for g, _ in entries])
-            out += [Answer(ack.req, ack.entry) for _, ack in entries if ack is not None]
-            p.rounds += 1
-            ready = [w for w in p.pulls if w.round <= p.rounds]
-            p.pulls = [w for w in p.pulls if w.round > p.rounds]
-            out += [self._answer(p, w) for w in ready]
+            out += [Answer(ack.req, ack.entry) for _, ack, _ in entries if ack is not None]
+            merged = self._merge(p, [g for g, _, _ in entries])
+            if merged is not None and any(held for _, _, held in entries):
+                p.held = merged
+                break
+            out += self._apply(p, merged)
         return out
 
-    def _merge_and_apply(self, p: Part, grads: list[Tensor]) -> None:
-        """Sum one push of every worker and apply it to the value (the optimizer or assignment)."""
+    def _merge(self, p: Part, grads: list[Tensor]) -> Optional[Tensor]:
+        """Sum one push of every worker: into the value itself when it replaces it (no optimizer,
+        dense: one pass, and None is returned), else into the part's scratch buffer, where the
+        optimizer then works without full-size temporaries."""
         assert p.value is not None
         if any(g.is_sparse for g in grads):
-            if all(g.is_sparse for g in grads):
-                merged = torch.sparse_coo_tensor(
-                    torch.cat([g._indices() for g in grads], dim=1), torch.cat([g._values() for g in grads]), grads[0].shape
-                ).coalesce()
-            else:
-                merged = torch.stack([g.to_dense() for g in grads]).sum(0)
-            apply_push(self.optimizer, p.state_key, merged, p.value)
-        elif self.optimizer is None:  # the sum replaces the value: made there, in one pass
+            if not all(g.is_sparse for g in grads):
+                return torch.stack([g.to_dense() for g in grads]).sum(0)
+            indices, values = torch.cat([g._indices() for g in grads], dim=1), torch.cat([g._values() for g in grads])
+            return torch.sparse_coo_tensor(indices, values, grads[0].shape).coalesce()
+        if self.optimizer is None:
             _sum_into(p.value, grads)
-        else:  # the optimizer works inside the scratch buffer: no full-size temporaries per round
-            if p.scratch is None:
-                p.scratch = torch.empty_like(p.value)
-            apply_push(self.optimizer, p.state_key, _sum_into(p.scratch, grads), p.value, merged_is_scratch=True)
+            return None
+        if p.scratch is None:
+            p.scratch = torch.empty_like(p.value)
+        return _sum_into(p.scratch, grads)
+
+    def _apply(self, p: Part, merged: Optional[Tensor]) -> list[Answer]:
+        """Apply a round's merged gradient (the optimizer, or assignment); the pulls it completes."""
+        assert p.value is not None
+        if merged is not None:
+            apply_push(self.optimizer, p.state_key, merged, p.value, merged_is_scratch=merged is p.scratch)
+        p.rounds += 1
+        ready = [w for w in p.pulls if w.round <= p.rounds]
+        p.pulls = [w for w in p.pulls if w.round > p.rounds]
+        return [self._answer(p, w) for w in ready]
 
     # -- pull -------------------------------------------------------------------------------------
 
@@ -279,6 +292,12 @@ class Rounds:
                 raise blocker
         out: list[Answer] = []
         for i, e in enumerate(entries):
+            p = e.part
+            if e.rescale is not None and p.held is not None and e.round == p.rounds + 1 and self.optimizer is not None:
+                held, p.held = p.held, None  # the held round's update, with the rescale this pull brings
+                self.optimizer.set_rescale_grad(e.rescale)
+                out += self._apply(p, held)
+                out += self._complete(p)
             w = Waiting(req, i, e.round, e.rows)
             if e.part.mode == "async" or e.round <= e.part.rounds:
                 out.append(self._answer(e.part, w))
@@ -307,14 +326,15 @@ class Rounds:
         """Fail the pulls and merge-acknowledgements of ``p`` that wait for a round that cannot come."""
         if not self.finished:
             return []
-        reachable = p.rounds + min(len(p.queued.get(r, ())) for r in self.finished)
+        merged = p.rounds + (p.held is not None)  # rounds merged (a held one waits only for its rescale)
+        reachable = merged + min(len(p.queued.get(r, ())) for r in self.finished)
         out = []
         for w in [w for w in p.pulls if w.round > reachable]:
             p.pulls.remove(w)
             out.append(Answer(w.req, w.entry, error=self._blocker(p, w.round)))
         for q in p.queued.values():
-            while len(q) > reachable - p.rounds:
-                _, ack = q.pop()
+            while len(q) > reachable - merged:
+                _, ack, _ = q.pop()
                 if ack is not None:
                     out.append(Answer(ack.req, ack.entry, error=self._blocker(p, ack.round)))
         return out
@@ -330,9 +350,11 @@ class Rounds:
         for p in self.parts.values():
             for w in [w for w in p.pulls if now - w.since > self.timeout]:
                 p.pulls.remove(w)
-                missing = [r for r in self.workers if p.rounds + len(p.queued.get(r, ())) < w.round]
+                missing = [r for r in self.workers if p.rounds + len(p.queued.get(r, ())) + (p.held is not None) < w.round]
                 got = [r for r in self.workers if r not in missing]
                 gap = f"round {w.round - 1}: workers {missing} have not pushed key {p.name} in that round (pushed: {got})"
+                if not missing:
+                    gap = f"round {w.round - 1} of key {p.name}: every worker pushed; its update waits for the rescale a pull of it brings"
                 out.append(Answer(w.req, w.entry, error=deadline(f"the pull of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
             for w in [w for w in p.inits if now - w.since > self.timeout]:
                 p.inits.remove(w)
@@ -344,7 +366,7 @@ class Rounds:
         """The job is over (a node failed): fail everything that waits."""
         out = []
         for p in self.parts.values():
-            acks = [ack for q in p.queued.values() for _, ack in q if ack is not None]
+            acks = [ack for q in p.queued.values() for _, ack, _ in q if ack is not None]
             out += [Answer(w.req, w.entry, error=exc) for w in (*p.pulls, *p.inits, *acks)]
             p.pulls, p.inits = [], []
             p.queued.clear()

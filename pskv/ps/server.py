@@ -17,6 +17,7 @@ Between batches it heartbeats the scheduler and expires requests past ``PSKV_TIM
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -38,6 +39,7 @@ from .message import (
     Message,
     PushKind,
     Type,
+    bits_float,
     error_reply,
     frame_tensor,
     tensor_frame,
@@ -258,7 +260,7 @@ class Server(Node):
             payload = [next(frames, None) for _ in range(row.frames)]
             if any(f is None for f in payload):
                 raise ProtocolError("a push has fewer payload frames than its table announces")
-            entries.append(PushEntry(p, row.round, self._gradient(p, row, payload, rank, msg), row.fd >= 0))
+            entries.append(PushEntry(p, row.round, self._gradient(p, row, payload, rank, msg), row.fd >= 0, bool(row.held)))
         if next(frames, None) is not None:
             raise ProtocolError("a push has more payload frames than its table announces")
         return entries
@@ -298,7 +300,10 @@ class Server(Node):
                 if frame is None:
                     raise ProtocolError("a pull has fewer row-id frames than its table announces")
                 wanted = frame_tensor(frame, torch.int64)
-            entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted))
+            rescale = bits_float(row.rescale) if row.rescale else None
+            if rescale is not None and not math.isfinite(rescale):
+                raise ProtocolError(f"a pull with rescale {rescale}")
+            entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale))
         return rows, entries
 
     def _storage(self, p: Part) -> Tensor:

@@ -15,7 +15,7 @@ import zmq
 
 import pskv
 from pskv.kv import KVStore
-from pskv.ps.message import HEADER, MAGIC, Message, Type, decode, encode, tensor_frame
+from pskv.ps.message import HEADER, MAGIC, PUSH, Message, Type, decode, encode, tensor_frame
 
 Job = Callable[..., Any]
 
@@ -76,7 +76,7 @@ def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.Monkey
 
         def counting(peer: str, msg: Message, track: bool = False) -> Any:
             if msg.type == Type.PUSH:
-                sends.append(len(msg.frames[0]) // (8 * 7))  # rows in its PUSH table
+                sends.append(PUSH.count(msg.frames[0]))  # rows in its PUSH table
             return real(peer, msg, track)
 
         van.send = counting
@@ -330,7 +330,7 @@ def _raw_client(endpoint: str) -> zmq.Socket[bytes]:
 def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(inproc_job: Job) -> None:
     import pickle
 
-    from pskv.ps.message import PULL, PUSH
+    from pskv.ps.message import PULL
 
     job = inproc_job(1, 1)
     with job.worker() as kv:
@@ -354,16 +354,16 @@ def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(
             [b"\x00" * HEADER.size],
             [HEADER.pack(MAGIC, 2, 99, 1, 0)],
             [pickle.dumps(Evil())],
-            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 1, 0, 1, -1, 0)]), b"\x00" * 3])),  # wrong size
-            encode(Message(Type.PUSH, frames=[PUSH.pack([(42, 0, 1, 0, 1, -1, 0)]), b"\x00" * 16])),  # unknown key
-            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 5, 0, 1, -1, 0)]), b"\x00" * 16])),  # a round skipped
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 1, 0, 1, -1, 0, 0)]), b"\x00" * 3])),  # wrong size
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(42, 0, 1, 0, 1, -1, 0, 0)]), b"\x00" * 16])),  # unknown key
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 5, 0, 1, -1, 0, 0)]), b"\x00" * 16])),  # a round skipped
             encode(Message(Type.PUSH, frames=[b"\x00" * 7])),  # not a table
             init(dtype="object"),
             init(numel=-5),
             encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd", "hyper": {"learning_rate": "import os"}}})),
             encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "__import__"}})),
-            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 1)]), tensor_frame(torch.tensor([99]))])),  # row out of range
-            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 3, 0, 0)])])),  # a round never pushed
+            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 1, 0)]), tensor_frame(torch.tensor([99]))])),  # row out of range
+            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 3, 0, 0, 0)])])),  # a round never pushed
             encode(Message(Type.SHUTDOWN)),
         ]
         for frames in cases:
@@ -371,7 +371,7 @@ def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(
             reply = decode(bad.recv_multipart())
             assert reply.type == Type.ERROR, frames
             assert (reply.meta or {}).get("kind") in ("ProtocolError", "KeyNotInitializedError", "OptimizerError"), reply.meta
-        stranger.send_multipart(encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 0)])])))
+        stranger.send_multipart(encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 0, 0)])])))
         assert "has not said HELLO" in (decode(stranger.recv_multipart()).meta or {})["message"]
         bad.close()
         stranger.close()

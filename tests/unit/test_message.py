@@ -17,9 +17,11 @@ from pskv.ps.message import (
     PUSH,
     Message,
     Type,
+    bits_float,
     decode,
     dtype_name,
     encode,
+    float_bits,
     frame_tensor,
     tensor_frame,
     torch_dtype,
@@ -41,17 +43,18 @@ def test_no_meta_means_no_meta_frame() -> None:
 
 
 def test_layouts_name_their_columns() -> None:
-    rows = [(3, 1, 2, 0, 1, -1, 0), (4, 0, 9, 2, 3, 5, 4096)]
+    rows = [(3, 1, 2, 0, 1, -1, 0, 0), (4, 0, 9, 2, 3, 5, 4096, 1)]
     frame = PUSH.pack(rows)
-    assert PUSH.count(frame) == 2 and len(frame) == 2 * 7 * 8
+    assert PUSH.count(frame) == 2 and len(frame) == 2 * 8 * 8
     back = PUSH.unpack(frame)
     assert [tuple(r) for r in back] == rows
-    assert (back[1].key, back[1].round, back[1].kind, back[1].frames, back[1].fd, back[1].offset) == (4, 9, 2, 3, 5, 4096)
-    assert PULL.unpack(PULL.pack([(7, 0, 1, 1, 0)]))[0].shm == 1
+    assert (back[1].key, back[1].round, back[1].kind, back[1].frames, back[1].fd, back[1].offset, back[1].held) == (4, 9, 2, 3, 5, 4096, 1)
+    pull = PULL.unpack(PULL.pack([(7, 0, 1, 1, 0, float_bits(0.03125))]))[0]
+    assert pull.shm == 1 and bits_float(pull.rescale) == 0.03125 and float_bits(0.0) == 0
     assert ANSWER.unpack(ANSWER.pack([(0, -1, 0, 16)]))[0].nbytes == 16
-    with pytest.raises(ValueError, match="PullRow row has 5 columns"):
+    with pytest.raises(ValueError, match="PullRow row has 6 columns"):
         PULL.pack([(1, 2)])
-    with pytest.raises(ProtocolError, match="not rows of 5 int64"):
+    with pytest.raises(ProtocolError, match="not rows of 6 int64"):
         PULL.unpack(b"\x00" * 24)
 
 

@@ -209,3 +209,24 @@ def test_optimizer_states_keep_change_and_are_checked_before_loading() -> None:
     r.load_states(sgd.describe(), 3, [(p, 7, {"momentum_buffer": torch.full((4,), 9.0)})])
     assert r.states()[0][1].step == 7 and torch.all(r.states()[0][1].tensors["momentum_buffer"] == 9.0)
     assert r.optimizer.num_update == 3
+
+
+def test_a_held_round_waits_for_the_rescale_a_pull_brings() -> None:
+    """The Trainer pushes before it knows the batch size: the summed round waits for the rescale
+    of step(batch_size), which its pull brings, and is applied with exactly that."""
+    r = made(2)
+    p = r.part(0, 0)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0).describe(), keep_states=False)
+    for rank in range(2):
+        r.push(f"push {rank}", rank, [PushEntry(p, 1, torch.full((4, 1), rank + 1.0), False, held=True)])
+    assert p.rounds == 0 and p.held is not None and torch.all(p.value == 1.0)  # summed, not applied
+    assert r.pull("plain", 1, [PullEntry(p, 1)]) == []  # no rescale: it waits too
+    (a,) = r.expire(p.pulls[0].since + 11)
+    assert "every worker pushed; its update waits for the rescale a pull of it brings" in str(a.error)
+    r.pull("plain", 1, [PullEntry(p, 1)])
+    got = r.pull("step", 0, [PullEntry(p, 1, rescale=0.25)])
+    assert sorted(a.req for a in got) == ["plain", "step"] and p.rounds == 1 and p.held is None
+    assert torch.all(p.value == 1 - 1.0 * 0.25 * 3)
+    push(r, 0, 2, 1.0)  # an ordinary round after it: applied at once, with the optimizer's own rescale
+    push(r, 1, 2, 1.0)
+    assert p.rounds == 2 and torch.allclose(p.value, torch.full((4, 1), 0.25 - 0.25 * 2))

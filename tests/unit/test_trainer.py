@@ -282,3 +282,87 @@ def test_batchnorm_statistics_stay_per_worker(inproc_job: Job) -> None:
     (w0, m0), (w1, m1) = job.run_workers(body)
     assert w0 == w1  # parameters synchronised
     assert m0 != m1  # running statistics are not
+
+
+# -- the overlapped exchange ---------------------------------------------------------------------
+
+
+class _Branchy(nn.Module):
+    """A small CNN with a head used only on even steps (unused parameters) and BatchNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 16))
+        self.head_a = nn.Linear(16, 4)
+        self.head_b = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        return (self.head_a if step % 2 == 0 else self.head_b)(torch.relu(self.body(x)))
+
+
+def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_none: bool = True) -> list[torch.Tensor]:
+    """Five steps with batch sizes that change (the last batch of an epoch is smaller)."""
+    net = _Branchy()
+    init = torch.Generator().manual_seed(0)  # not torch's global generator: the workers are threads of one process
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) * 0.2)
+    tr = pskv.Trainer(
+        net.parameters(), "sgd", {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}, kvstore=kv,
+        update_on_kvstore=uok, overlap=overlap,
+    )  # fmt: skip
+    assert tr.overlap is overlap
+    gen = torch.Generator().manual_seed(100 + kv.rank)
+    for step, batch in enumerate([8, 8, 8, 5, 8]):
+        net.zero_grad(set_to_none=set_to_none)
+        for micro in range(accumulate):
+            x, y = torch.randn(batch, 3, 8, 8, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+            loss = nn.functional.cross_entropy(net(x, step), y, reduction="sum")
+            if micro < accumulate - 1:
+                with tr.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        tr.step(batch * accumulate, ignore_stale_grad=True)
+    tr.synchronize()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("uok", [None, False])
+def test_overlap_gives_the_numbers_of_the_plain_path(inproc_job: Job, uok: Any) -> None:
+    """Gradients pushed from backward hooks, pulls waited for in forward pre-hooks: the same
+    weights as pushing everything in step (unused parameters, a smaller last batch, momentum)."""
+    plain = inproc_job(2, 2).run_workers(lambda kv: _train(kv, False, uok))
+    overlapped = inproc_job(2, 2).run_workers(lambda kv: _train(kv, True, uok))
+    for worker in range(2):
+        for a, b in zip(plain[worker], overlapped[worker]):
+            assert torch.equal(a, b), (a - b).abs().max()
+    for a, b in zip(overlapped[0], overlapped[1]):
+        assert torch.equal(a, b), "the workers' weights differ"
+
+
+def test_overlap_with_gradient_accumulation_and_zeroed_grads(inproc_job: Job) -> None:
+    plain = inproc_job(2, 1).run_workers(lambda kv: _train(kv, False, None, 2, False))
+    overlapped = inproc_job(2, 1).run_workers(lambda kv: _train(kv, True, None, 2, False))
+    for worker in range(2):
+        for a, b in zip(plain[worker], overlapped[worker]):
+            assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> None:
+    job = inproc_job(1, 1)
+
+    def body(kv: KVStore) -> str:
+        w = nn.Parameter(torch.ones(3))
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0}, kvstore=kv, overlap=True)
+        (w * 2).sum().backward()
+        with pytest.raises(pskv.TrainerError, match=r"inside `with trainer\.no_sync\(\):`"):
+            (w * 2).sum().backward()
+        tr.step(1)
+        tr.synchronize()
+        assert torch.equal(w.detach(), torch.full((3,), -1.0))  # the first gradient went, once
+        with pytest.raises(pskv.TrainerError, match="overlap needs a dist store"):
+            pskv.Trainer([nn.Parameter(torch.ones(1))], "sgd", kvstore="local", overlap=True)
+        return "ok"
+
+    assert job.run_workers(body) == ["ok"]
