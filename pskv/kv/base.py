@@ -287,7 +287,12 @@ class KVStore(ABC):
             self._check_open()
             target = value if out is None else out
             groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
-            self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
+            outs = self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
+            if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
+                with torch.no_grad():
+                    handle = self._pushpull_impl(groups, outs, int(priority), wait)
+                if handle is not NotImplemented:
+                    return None if wait else handle or Handle()
             with torch.no_grad():
                 self._push_impl(groups, int(priority), wait, False)
             return self.pull(key, target, priority, wait=wait)
@@ -433,6 +438,11 @@ class KVStore(ABC):
     @abstractmethod
     def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
+
+    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Any:
+        """Push ``items`` and pull into ``outs`` as one operation, where a store can (the dist
+        stores: the push is answered with the value); ``NotImplemented``: push, then pull."""
+        return NotImplemented
 
     @abstractmethod
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None: ...

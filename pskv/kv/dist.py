@@ -157,7 +157,7 @@ class DistStore(KVStore):
         trace.event("push copied and sent")
         return None
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int) -> list[tuple[Part, list[int], list[Any]]]:
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int = 0) -> list[tuple[Part, list[int], list[Any]]]:
         """Each part of one key's push: its PUSH row and payload frames (none through shared memory).
 
         ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
@@ -190,10 +190,10 @@ class DistStore(KVStore):
                 r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
                 sel = (ids >= r0) & (ids < r1)
                 frames = [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held], frames))
+                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held, reply], frames))
             elif self._compressor is not None:
                 frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held], frames))
+                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held, reply], frames))
             elif p.server in self._client.shm_servers:
                 slot = self._slots.get(where)
                 if slot is None:
@@ -205,15 +205,32 @@ class DistStore(KVStore):
                 for f in flats[1:]:
                     slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
                 fd, offset = slot.home  # type: ignore[attr-defined]
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held], []))
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], []))
             else:
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held], [tensor_frame(merged_flat[p.start : p.stop])]))
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(merged_flat[p.start : p.stop])]))
         return out
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+        """Push rows that are answered with the value once their round is complete: a pull that
+        needs no request of its own, so it does not queue behind the rest of the pushes."""
         self._client.check()
+        if self._async and self._optimizer is None:
+            raise errors.OptimizerRequiredError(
+                "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
+            )
+        handle, sinks = self._sinks(outs)
+        for (meta, values), sink in zip(items, sinks):
+            for p, row, frames in self._push_parts(meta, values, wait, 0, reply=1):
+                nbytes = p.numel * meta.dtype.itemsize if frames else 0
+                self._client.queue(p.server, Type.PUSH, row, frames, (handle, sink(p), meta.dtype), nbytes)
+                self._before_push[(meta.id, p.index)] = handle
+        return self._done(handle, wait)
+
+    def _sinks(self, items: list[tuple[KeyMeta, list[Tensor]]]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
+        """A handle for pulling ``items``, and per key where each part's answer goes: straight into
+        the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
         copies: list[tuple[Tensor, list[Tensor]]] = []
 
         def finish() -> None:  # in the caller's thread, once every part has arrived
@@ -221,16 +238,28 @@ class DistStore(KVStore):
                 for o in outs:
                     o.copy_(buf.to_sparse(1) if o.is_sparse else buf)
 
-        handle = self._client.handle(finish)
+        sinks = []
         for meta, outs in items:
             first = outs[0]
             direct = not first.is_sparse and first.device.type == "cpu" and first.is_contiguous()
             buf = first if direct else torch.empty(meta.shape, dtype=meta.dtype)
-            parts = self._parts[meta.id]
-            flat = buf if len(parts) == 1 else buf.view(-1)  # filled by the I/O thread
-            for p in parts:
-                self._queue_pull(handle, meta, p, flat if len(parts) == 1 else flat[p.start : p.stop], rescale=rescale)
             copies.append((buf, outs[1:] if direct else outs))
+            sinks.append(self._parts_of(meta, buf))
+        return self._client.handle(finish), sinks
+
+    def _parts_of(self, meta: KeyMeta, buf: Tensor) -> Callable[[Part], Tensor]:
+        """Part -> its elements of ``buf``, without a flat view when the key has one part (each op costs)."""
+        if len(self._parts[meta.id]) == 1:
+            return lambda p: buf
+        flat = buf.view(-1)
+        return lambda p: flat[p.start : p.stop]
+
+    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+        self._client.check()
+        handle, sinks = self._sinks(items)
+        for (meta, _), sink in zip(items, sinks):
+            for p in self._parts[meta.id]:
+                self._queue_pull(handle, meta, p, sink(p), rescale=rescale)
         trace.event("pull sent")
         return self._done(handle, wait)
 

@@ -184,7 +184,7 @@ class WorkerClient(Node):
                 msg = Message(kind, meta=meta, frames=[layout.pack([q[0] for q in batch]), *frames])
                 what = f"{kind.name.lower()} of {len(batch)} parts"
                 req = self.tracker.open(kind, what, f"server {server}", entries=[q[2] for q in batch])
-                if kind == Type.PULL and server in self.shm_servers:
+                if server in self.shm_servers:  # answers may be slots of its shared memory
                     pid = int(self.servers[server]["pid"])
                     req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
                 msg.req_id = req.req_id

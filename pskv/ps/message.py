@@ -113,8 +113,10 @@ class PushKind(enum.IntEnum):
 
 #: a pushed part: ``frames`` payload frames follow in row order; ``fd`` >= 0: the dense bytes are
 #: at ``offset`` in the sender's shared-memory arena ``fd`` instead; ``held`` 1: the round's
-#: update waits for the rescale a pull brings (the Trainer's pushes, sent before it knows the batch)
-PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held")
+#: update waits for the rescale a pull brings (the Trainer's pushes, sent before it knows the
+#: batch); ``reply`` 1: answered, once its round is complete, with the part's value (pushpull:
+#: no pull request that would queue behind the rest of the pushes)
+PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held", "reply")
 #: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
 #: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
 #: ids (int64, local to the part) come in the next row-id frame; ``rescale``: 0, or the bits of a

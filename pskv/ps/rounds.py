@@ -90,6 +90,7 @@ class PushEntry(NamedTuple):
     grad: Tensor  # rows x row_numel, dense or row-sparse
     ack_when_merged: bool  # the bytes are the worker's (shared memory): it may reuse them once merged
     held: bool = False  # the round's update waits for the rescale a pull brings (Trainer.step)
+    reply: bool = False  # answered with the value once its round is complete, not acknowledged
 
 
 class PullEntry(NamedTuple):
@@ -203,6 +204,8 @@ class Rounds:
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
+            if e.reply and self._blocker(p, e.round):
+                raise self._blocker(p, e.round)  # type: ignore[misc]
             if p.mode == "async" and self.optimizer is None:
                 raise OptimizerRequiredError(
                     f"key {p.name}: dist_async applies pushes on the servers and needs an optimizer; call set_optimizer first"
@@ -224,11 +227,13 @@ class Rounds:
             if p.mode == "async":
                 assert p.value is not None
                 apply_push(self.optimizer, p.state_key, e.grad, p.value)
-                out.append(Answer(req, i))
+                out.append(self._answer(p, Waiting(req, i)) if e.reply else Answer(req, i))
                 continue
-            ack = Waiting(req, i, e.round) if e.ack_when_merged else None
+            ack = Waiting(req, i, e.round) if e.ack_when_merged and not e.reply else None
             p.queued.setdefault(rank, deque()).append((e.grad, ack, e.held))
-            if ack is None:
+            if e.reply:  # answered like a pull of its round (which comes after the merge)
+                p.pulls.append(Waiting(req, i, e.round))
+            elif ack is None:
                 out.append(Answer(req, i))
             touched[id(p)] = p
         for p in touched.values():

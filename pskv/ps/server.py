@@ -54,7 +54,7 @@ from .van import Van
 class _Request:
     route: str  # where its answers go
     msg: Message
-    rows: list[Any] = field(default_factory=list)  # a PULL's rows (each says whether shared memory is wanted)
+    shm: list[bool] = field(default_factory=list)  # per entry: answer a value with its shared-memory slot
     failed: bool = False
 
 
@@ -171,7 +171,7 @@ class Server(Node):
             rows, frames = self._outbox.setdefault(req, ([], []))
             if a.value is None:
                 rows.append((a.entry, -1, 0, 0))
-            elif a.part is not None and a.part.home is not None and req.rows[a.entry].shm:
+            elif a.part is not None and a.part.home is not None and req.shm[a.entry]:
                 fd, offset = a.part.home  # the worker copies the value out of our shared memory
                 rows.append((a.entry, fd, offset, a.part.nbytes))
             else:
@@ -181,10 +181,10 @@ class Server(Node):
                 frames.append(tensor_frame(a.value))
 
     def _flush(self) -> None:
-        out = sorted(self._outbox.items(), key=lambda item: item[0].msg.type == Type.PULL)  # acknowledgements first
+        out = sorted(self._outbox.items(), key=lambda item: any(r[3] for r in item[1][0]))  # acknowledgements first
         self._outbox.clear()
         for req, (rows, frames) in out:
-            kind = Type.DATA if req.msg.type == Type.PULL else Type.OK
+            kind = Type.DATA if any(nbytes for *_, nbytes in rows) else Type.OK
             self._send(req.route, req.msg.reply(kind, frames=[ANSWER.pack(rows), *frames]))
         if out:
             trace.event(f"answered {len(out)} requests")
@@ -202,11 +202,11 @@ class Server(Node):
         if msg.type == Type.INIT:
             self._deliver(self.rounds.init(req, rank, str((msg.meta or {}).get("mode")), self._init_entries(msg, rank)))
         elif msg.type == Type.PUSH:
-            pushes = self._push_entries(msg, rank)
+            pushes = self._push_entries(msg, rank, req)
             trace.event(f"push of {len(pushes)} parts from worker {rank} arrives")
             self._deliver(self.rounds.push(req, rank, pushes))
         elif msg.type == Type.PULL:
-            req.rows, pulls = self._pull_entries(msg)
+            pulls = self._pull_entries(msg, req)
             self._deliver(self.rounds.pull(req, rank, pulls))
         elif msg.type == Type.SET_OPTIMIZER:
             meta = msg.meta or {}
@@ -249,7 +249,7 @@ class Server(Node):
             entries = [e._replace(value=frame_tensor(f, e.dtype, e.numel)) for e, f in zip(entries, msg.frames)]
         return entries
 
-    def _push_entries(self, msg: Message, rank: int) -> list[PushEntry]:
+    def _push_entries(self, msg: Message, rank: int, req: _Request) -> list[PushEntry]:
         """Decode every part of a push (checked, nothing applied): gradients as ``rows x row_numel``."""
         if not msg.frames:
             raise ProtocolError("a push without its table of parts")
@@ -260,7 +260,8 @@ class Server(Node):
             payload = [next(frames, None) for _ in range(row.frames)]
             if any(f is None for f in payload):
                 raise ProtocolError("a push has fewer payload frames than its table announces")
-            entries.append(PushEntry(p, row.round, self._gradient(p, row, payload, rank, msg), row.fd >= 0, bool(row.held)))
+            entries.append(PushEntry(p, row.round, self._gradient(p, row, payload, rank, msg), row.fd >= 0, bool(row.held), bool(row.reply)))
+            req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         if next(frames, None) is not None:
             raise ProtocolError("a push has more payload frames than its table announces")
         return entries
@@ -287,7 +288,7 @@ class Server(Node):
             return total.view(p.rows, p.row_numel)
         raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
 
-    def _pull_entries(self, msg: Message) -> tuple[list[Any], list[PullEntry]]:
+    def _pull_entries(self, msg: Message, req: _Request) -> list[PullEntry]:
         if not msg.frames:
             raise ProtocolError("a pull without its table of parts")
         rows = PULL.unpack(msg.frames[0])
@@ -304,7 +305,8 @@ class Server(Node):
             if rescale is not None and not math.isfinite(rescale):
                 raise ProtocolError(f"a pull with rescale {rescale}")
             entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale))
-        return rows, entries
+            req.shm.append(bool(row.shm))
+        return entries
 
     def _storage(self, p: Part) -> Tensor:
         """Room for a part's value: in shared memory (so pulls are answered with a slot), else private."""

@@ -43,12 +43,13 @@ def test_no_meta_means_no_meta_frame() -> None:
 
 
 def test_layouts_name_their_columns() -> None:
-    rows = [(3, 1, 2, 0, 1, -1, 0, 0), (4, 0, 9, 2, 3, 5, 4096, 1)]
+    rows = [(3, 1, 2, 0, 1, -1, 0, 0, 0), (4, 0, 9, 2, 3, 5, 4096, 1, 1)]
     frame = PUSH.pack(rows)
-    assert PUSH.count(frame) == 2 and len(frame) == 2 * 8 * 8
+    assert PUSH.count(frame) == 2 and len(frame) == 2 * 9 * 8
     back = PUSH.unpack(frame)
     assert [tuple(r) for r in back] == rows
-    assert (back[1].key, back[1].round, back[1].kind, back[1].frames, back[1].fd, back[1].offset, back[1].held) == (4, 9, 2, 3, 5, 4096, 1)
+    assert (back[1].key, back[1].round, back[1].kind, back[1].frames, back[1].fd, back[1].offset) == (4, 9, 2, 3, 5, 4096)
+    assert (back[1].held, back[1].reply) == (1, 1)
     pull = PULL.unpack(PULL.pack([(7, 0, 1, 1, 0, float_bits(0.03125))]))[0]
     assert pull.shm == 1 and bits_float(pull.rescale) == 0.03125 and float_bits(0.0) == 0
     assert ANSWER.unpack(ANSWER.pack([(0, -1, 0, 16)]))[0].nbytes == 16
