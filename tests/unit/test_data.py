@@ -1,4 +1,4 @@
-"""pskv.data: partitioning, split_and_load, the data set loaders and the batch transforms."""
+"""pskv.data and pskv.app.datasets: partitioning, split_and_load, the data set loaders and the batch transforms."""
 
 from __future__ import annotations
 
@@ -13,25 +13,24 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pskv import data
-from pskv.data import (
+from pskv.app import datasets as data
+from pskv.app.datasets import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     DIGITS_MEAN,
     DIGITS_STD,
     ArrayDataset,
-    SplitSampler,
     batches,
     channel_mean_std,
     get_dataset,
     load_cifar10,
     load_digits,
     load_image_folder,
-    split_and_load,
     synthetic,
     train_transform,
     transforms_for,
 )
+from pskv.data import SplitSampler, split_and_load
 
 
 # =========================================================================== SplitSampler

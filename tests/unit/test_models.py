@@ -1,4 +1,4 @@
-"""Shapes, payload sizes and structure of the tutorials' networks (pskv.models)."""
+"""Shapes, payload sizes and structure of the tutorials' networks (pskv.app.models)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pskv import models
-from pskv.models import get_model, parameter_shapes, resnet18, small_cnn
+from pskv.app import models
+from pskv.app.models import get_model, parameter_shapes, resnet18, small_cnn
 
 RESNET18_PAYLOAD_NUMBERS = 11_169_162  # 42 conv/linear weights and biases of the 10-class CIFAR ResNet-18
 

@@ -6,7 +6,7 @@
 - :func:`resnet50`, :func:`vgg16`: the standard ImageNet networks (torchvision's layer shapes),
   used mainly for their parameter shapes by the bandwidth benchmark.
 
->>> from pskv.models import get_model, parameter_shapes
+>>> from pskv.app.models import get_model, parameter_shapes
 >>> net = get_model("resnet18", num_classes=10)
 >>> net(torch.zeros(2, 3, 32, 32)).shape
 torch.Size([2, 10])

@@ -33,10 +33,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from . import data, models
-from .errors import PSKVError
-from .kv import KVStore, create
-from .trainer import Trainer
+from pskv import data as core_data
+from pskv.app import datasets as data
+from pskv.app import models
+from pskv.errors import PSKVError
+from pskv.kv import KVStore, create
+from pskv.trainer import Trainer
 
 DEFAULTS = {
     "servers": 2,
@@ -119,7 +121,7 @@ def run_worker(args: argparse.Namespace) -> int:
     train_set = data.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
     test_set = data.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
     train_tf, test_tf = data.transforms_for(args.dataset, args.image_size)
-    sampler = data.SplitSampler(len(train_set), workers, rank, shuffle=True, seed=args.seed)
+    sampler = core_data.SplitSampler(len(train_set), workers, rank, shuffle=True, seed=args.seed)
     test_part = range(len(test_set) * rank // workers, len(test_set) * (rank + 1) // workers)
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
     classes = int(train_set.labels.max()) + 1
@@ -150,8 +152,8 @@ def run_worker(args: argparse.Namespace) -> int:
         bar = _progress(rank == 0 and not args.no_progress, steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
         t0 = time.perf_counter()
         for x, y in data.batches(train_set, sampler, args.batch_size, train_tf, generator):
-            xs = data.split_and_load(x, devices, even_split=False)
-            ys = data.split_and_load(y, devices, even_split=False)
+            xs = core_data.split_and_load(x, devices, even_split=False)
+            ys = core_data.split_and_load(y, devices, even_split=False)
             for net in nets:
                 net.zero_grad()
             for net, xi, yi in zip(nets, xs, ys):
@@ -269,7 +271,7 @@ def main(argv: Sequence[str]) -> int:
             raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
         if os.environ.get("DMLC_ROLE") or not dist:
             return run_worker(args)
-        from .launch.local import launch_local
+        from pskv.launch.local import launch_local
 
         workers = int(args.workers or 2)
         print(f"pskv train: launching {workers} workers and {args.servers} servers on this machine", file=sys.stderr, flush=True)

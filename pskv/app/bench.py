@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import PSKVError
+from pskv.errors import PSKVError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def shapes_for(args: argparse.Namespace) -> list[tuple[int, ...]]:
         if args.size_mb <= 0:
             raise PSKVError(f"--size-mb must be positive, got {args.size_mb}")
         return [(max(1, int(args.size_mb * 1e6 / 4)),)]
-    from .models import parameter_shapes
+    from pskv.app.models import parameter_shapes
 
     return parameter_shapes(args.model)
 
@@ -71,8 +71,8 @@ def summarize(seconds: list[float]) -> dict[str, float]:
 def pskv_worker(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict[str, Any]:
     import torch
 
-    from . import kv as kvmod
-    from . import optim
+    from pskv import kv as kvmod
+    from pskv import optim
 
     kv = kvmod.create(args.kv_store)
     workers, rank = kv.num_workers, kv.rank
@@ -133,7 +133,7 @@ def gloo_worker(args: argparse.Namespace, shapes: list[tuple[int, ...]]) -> dict
 
 def _run(args: argparse.Namespace, system: str, argv: Sequence[str], servers: int) -> dict[str, Any]:
     """Launch one system's run on this machine and read what its worker 0 wrote."""
-    from .launch.local import launch_local
+    from pskv.launch.local import launch_local
 
     with tempfile.TemporaryDirectory(prefix="pskv-bench-") as tmp:
         out = Path(tmp) / "result.json"
