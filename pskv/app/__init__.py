@@ -1,6 +1,1 @@
-"""The training application built on pskv: data sets, models, ``pskv train`` and ``pskv bench``.
-
-Not part of the core: it has its own line budget, and nothing in the core imports it.
-
->>> from pskv.app import datasets, models
-"""
+"""pskv's training application, apart from the core: ``from pskv.app import datasets, models``."""

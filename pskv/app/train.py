@@ -1,21 +1,9 @@
 """``pskv train``: the tutorials' job. ResNet-18 trained by several workers through parameter servers.
 
 Started by hand, it launches a job on this machine (2 workers and 2 servers by default) and shows
-worker 0's progress; started as a worker of a job (``pskv launch -n 4 -s 2 -- pskv train``) it is
-that worker's program; with ``--kv-store local`` or ``device`` it trains in this process alone.
-
-What a worker does, top to bottom:
-
-1. join the job through the store (``pskv.kv.create``): this gives its rank and the worker count;
-2. read its part of the training data (``SplitSampler``: worker ``r`` of ``W`` reads the ``r``-th
-   contiguous slice, reshuffled each epoch with a seed all workers share);
-3. build the model (one replica per ``--devices`` entry) and a ``Trainer`` on the store: the
-   servers hold the weights and run SGD on the summed gradients;
-4. every batch: split it over the replicas, forward, backward, ``trainer.step(batch)``;
-5. every epoch: evaluate on its share of the test set, then gather everyone's numbers
-   (``kv.allgather``) so worker 0 reports loss and accuracy over all workers' data.
-
-Batch size is per worker, as in the tutorials: W workers take W batches per step.
+worker 0's progress; as a worker of a job (``pskv launch -n 4 -s 2 -- pskv train``) it is that
+worker's program (:func:`run_worker`, five numbered steps); with ``--kv-store local`` or ``device``
+it trains in this process alone. The batch size is per worker, as in the tutorials.
 """
 
 from __future__ import annotations
@@ -28,223 +16,188 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
-from pskv import data as core_data
-from pskv.app import datasets as data
-from pskv.app import models
+from pskv.app import datasets, models
+from pskv.data import SplitSampler, split_and_load
 from pskv.errors import PSKVError
-from pskv.kv import KVStore, create
+from pskv.kv import create
 from pskv.trainer import Trainer
-
-DEFAULTS = {
-    "servers": 2,
-    "kv_store": "dist_sync",
-    "dataset": "digits",
-    "model": "resnet18",
-    "epochs": 4,
-    "batch_size": 32,
-    "lr": 0.01,
-    "momentum": 0.9,
-    "wd": 5e-4,
-    "image_size": 16,
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pskv train",
-        description="Train ResNet-18 (or another of pskv.models) with several workers and parameter servers.",
+        description="Train ResNet-18 (or the lab's small CNN) with several workers and parameter servers.",
         epilog="examples:\n  pskv train\n  pskv train --kv-store local --workers 1\n"
-        "  pskv launch -n 4 -s 2 -- pskv train --epochs 10\n  pskv train --dataset cifar10 --data-dir ~/data/cifar-10-batches-py",
+        "  pskv launch -n 4 -s 2 -- pskv train --epochs 10\n"
+        "  pskv train --dataset cifar10 --data-dir ~/data/cifar-10-batches-py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d = DEFAULTS
-    p.add_argument("--workers", type=int, help="workers to launch when started by hand (2 for dist stores, 1 otherwise)")
-    p.add_argument("--servers", type=int, default=d["servers"], help="servers to launch when started by hand (%(default)s)")
-    p.add_argument("--kv-store", default=d["kv_store"], help="store type: local, device, dist_sync, dist_device_sync, dist_async (%(default)s)")
-    p.add_argument("--dataset", default=d["dataset"], choices=data.DATASET_NAMES, help="%(default)s: ships with scikit-learn, no download")
-    p.add_argument("--data-dir", help="directory of the cifar10 or folder data set")
-    p.add_argument("--model", default=d["model"], choices=models.MODEL_NAMES, help="%(default)s")
-    p.add_argument("--epochs", type=int, default=d["epochs"], help="%(default)s")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="per worker (%(default)s)")
-    p.add_argument("--lr", type=float, default=d["lr"], help="learning rate (%(default)s)")
-    p.add_argument("--lr-schedule", default="cosine", choices=["none", "step", "cosine"], help="%(default)s")
-    p.add_argument("--momentum", type=float, default=d["momentum"], help="%(default)s")
-    p.add_argument("--wd", type=float, default=d["wd"], help="weight decay (%(default)s)")
-    p.add_argument("--image-size", type=int, default=d["image_size"], help="%(default)s")
-    p.add_argument("--devices", default="cpu", help="comma-separated devices of this worker, e.g. cuda:0,cuda:1 (%(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="%(default)s")
-    p.add_argument("--threads", type=int, help="torch threads per worker (default: OMP_NUM_THREADS or all cores)")
-    p.add_argument("--report", type=Path, help="write a JSON report here (worker 0)")
-    p.add_argument("--plot", type=Path, help="write a PNG of loss and accuracy per epoch here (worker 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add = p.add_argument
+    add("--workers", type=int, help="workers to launch when started by hand (2 for dist stores, 1 otherwise)")
+    add("--servers", type=int, default=2, help="servers to launch when started by hand (%(default)s)")
+    add("--kv-store", default="dist_sync", help="local, device, dist_sync, dist_device_sync, dist_async")
+    add("--dataset", default="digits", choices=datasets.DATASET_NAMES, help="%(default)s: no download needed")
+    add("--data-dir", help="directory of the cifar10 or folder data set")
+    add("--model", default="resnet18", choices=models.MODEL_NAMES, help="%(default)s")
+    add("--epochs", type=int, default=4, help="%(default)s")
+    add("--batch-size", type=int, default=32, help="per worker (%(default)s)")
+    add("--lr", type=float, default=0.01, help="learning rate (%(default)s)")
+    add("--lr-schedule", default="cosine", choices=["none", "step", "cosine"], help="%(default)s")
+    add("--momentum", type=float, default=0.9, help="%(default)s")
+    add("--wd", type=float, default=5e-4, help="weight decay (%(default)s)")
+    add("--image-size", type=int, default=16, help="%(default)s")
+    add("--devices", default="cpu", help="this worker's devices, e.g. cuda:0,cuda:1 (%(default)s)")
+    add("--seed", type=int, default=0, help="%(default)s")
+    add("--threads", type=int, help="torch threads per worker (default: OMP_NUM_THREADS or all cores)")
+    add("--report", type=Path, help="write a JSON report here (worker 0)")
+    add("--plot", type=Path, help="write a PNG of loss and accuracy per epoch here (worker 0)")
+    add("--no-progress", action="store_true", help="no progress bar")
     return p
-
-
-# -- one worker -----------------------------------------------------------------------------------
-
-
-def lr_scheduler(kind: str, epochs: int, steps_per_epoch: int) -> Optional[dict[str, Any]]:
-    if kind == "none":
-        return None
-    if kind == "step":  # x0.1 at 50% and 75% of the run
-        return {"name": "multifactor", "step": [max(1, steps_per_epoch * epochs // 2), max(2, steps_per_epoch * epochs * 3 // 4)], "factor": 0.1}
-    total = max(2, steps_per_epoch * epochs)
-    return {"name": "cosine", "max_update": total, "final_lr": 0.0, "warmup_steps": min(steps_per_epoch, total // 10)}
-
-
-def evaluate(nets: list[nn.Module], dataset: data.ArrayDataset, part: range, transform: Any, devices: list[torch.device]) -> tuple[int, int]:
-    """Correct predictions and count on ``part`` of the test set (replica 0's BatchNorm statistics)."""
-    net, device = nets[0], devices[0]
-    net.eval()
-    correct = 0
-    with torch.no_grad():
-        for x, y in data.batches(dataset, part, 256, transform):
-            correct += int((net(x.to(device)).argmax(1).cpu() == y).sum())
-    net.train()
-    return correct, len(part)
 
 
 def run_worker(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
-    kv: Optional[KVStore] = create(args.kv_store)  # joins the job (a server/scheduler process serves here and exits)
-    assert kv is not None
-    rank, workers = kv.rank, kv.num_workers
+    # 1. Join the job. A process started as a server or the scheduler serves inside create() and exits.
+    kv = create(args.kv_store)
+    rank, workers, servers = kv.rank, kv.num_workers, getattr(kv, "num_servers", 0)
     devices = [torch.device(d.strip()) for d in args.devices.split(",")]
     torch.manual_seed(args.seed)
 
-    train_set = data.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
-    test_set = data.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
-    train_tf, test_tf = data.transforms_for(args.dataset, args.image_size)
-    sampler = core_data.SplitSampler(len(train_set), workers, rank, shuffle=True, seed=args.seed)
+    # 2. This worker's part of the data: worker r of W reads the r-th contiguous slice of the training
+    # set, reshuffled each epoch with a seed all workers share (every worker loads the same data set).
+    train_set = datasets.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
+    test_set = datasets.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
+    train_tf, test_tf = datasets.transforms_for(args.dataset, args.image_size)
+    sampler = SplitSampler(len(train_set), workers, rank, shuffle=True, seed=args.seed)
     test_part = range(len(test_set) * rank // workers, len(test_set) * (rank + 1) // workers)
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
-    classes = int(train_set.labels.max()) + 1
-
-    nets = [models.get_model(args.model, classes, train_set.images.shape[-1], args.image_size).to(d) for d in devices]
-    hyper = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
-    schedule = lr_scheduler(args.lr_schedule, args.epochs, steps_per_epoch)
-    if schedule:
-        hyper["lr_scheduler"] = schedule
-    # the store makes every replica on every worker start from worker 0's weights
-    trainer = Trainer([n.parameters() for n in nets], "sgd", hyper, kvstore=kv)
-    loss_fn = nn.CrossEntropyLoss(reduction="sum")
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)  # augmentation differs per worker
 
+    # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
+    classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
+    nets = [models.get_model(args.model, classes, channels, args.image_size).to(d) for d in devices]
+    hyper: dict[str, Any] = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
+    steps = max(2, steps_per_epoch * args.epochs)
+    if args.lr_schedule == "step":  # x0.1 at 50% and at 75% of the run
+        milestones = [max(1, steps // 2), max(2, steps * 3 // 4)]
+        hyper["lr_scheduler"] = {"name": "multifactor", "step": milestones, "factor": 0.1}
+    elif args.lr_schedule == "cosine":  # warm up for an epoch (at most a tenth of the run), then decay to 0
+        warmup = min(steps_per_epoch, steps // 10)
+        hyper["lr_scheduler"] = {"name": "cosine", "max_update": steps, "final_lr": 0.0, "warmup_steps": warmup}
+    trainer = Trainer([net.parameters() for net in nets], "sgd", hyper, kvstore=kv)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
+
     if rank == 0:
+        store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
         print(
-            f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test images), "
-            f"{workers} worker(s) x {len(devices)} device(s), store {kv.type}"
-            + (f" with {getattr(kv, 'num_servers', 0)} server(s)" if kv.type.startswith("dist") else "")
-            + f", batch {args.batch_size} per worker, {args.epochs} epochs",
+            f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
+            f"images), {workers} worker(s) x {len(devices)} device(s), store {store}, "
+            f"batch {args.batch_size} per worker, {args.epochs} epochs",
             flush=True,
         )
-    epochs: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
     started = time.perf_counter()
     for epoch in range(args.epochs):
+        # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
+        # sums the gradients over devices and workers and waits for the servers' new weights.
         sampler.set_epoch(epoch)
         loss_sum, correct, seen = 0.0, 0, 0
-        bar = _progress(rank == 0 and not args.no_progress, steps_per_epoch, f"epoch {epoch + 1}/{args.epochs}")
+        bar = tqdm(
+            datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False, file=sys.stderr, ncols=100,
+            disable=rank != 0 or args.no_progress,
+        )  # fmt: skip
         t0 = time.perf_counter()
-        for x, y in data.batches(train_set, sampler, args.batch_size, train_tf, generator):
-            xs = core_data.split_and_load(x, devices, even_split=False)
-            ys = core_data.split_and_load(y, devices, even_split=False)
-            for net in nets:
-                net.zero_grad()
+        for x, y in bar:
+            xs = split_and_load(x, devices, even_split=False)
+            ys = split_and_load(y, devices, even_split=False)
             for net, xi, yi in zip(nets, xs, ys):
+                net.zero_grad()
                 out = net(xi)
                 loss = loss_fn(out, yi)
                 loss.backward()
                 loss_sum += loss.item()
-                correct += int((out.detach().argmax(1) == yi).sum())
+                correct += int((out.argmax(1) == yi).sum())
             trainer.step(len(x))
             seen += len(x)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
+            bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
         seconds = time.perf_counter() - t0
-        if bar is not None:
-            bar.close()
-        test_correct, test_seen = evaluate(nets, test_set, test_part, test_tf, devices)
-        mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds, "test_correct": test_correct, "test_seen": test_seen}
+
+        # 5. Evaluate this worker's share of the test set, then gather everyone's numbers
+        # (kv.allgather), so that worker 0 reports loss and accuracy over all workers' data.
+        net, test_correct = nets[0].eval(), 0  # replica 0, with its own BatchNorm statistics
+        with torch.no_grad():
+            for x, y in datasets.batches(test_set, test_part, 256, test_tf):
+                test_correct += int((net(x.to(devices[0])).argmax(1).cpu() == y).sum())
+        net.train()
+        mine = {
+            "loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
+            "test_correct": test_correct, "test_seen": len(test_part),
+        }  # fmt: skip
         everyone = kv.allgather(mine)
+        total = {key: sum(e[key] for e in everyone) for key in mine}
         row = {
             "epoch": epoch + 1,
-            "loss": sum(e["loss"] for e in everyone) / sum(e["seen"] for e in everyone),
-            "train_acc": sum(e["correct"] for e in everyone) / sum(e["seen"] for e in everyone),
-            "test_acc": sum(e["test_correct"] for e in everyone) / max(1, sum(e["test_seen"] for e in everyone)),
-            "seconds": max(e["seconds"] for e in everyone),
+            "loss": total["loss"] / total["seen"],
+            "train_acc": total["correct"] / total["seen"],
+            "test_acc": total["test_correct"] / max(1, total["test_seen"]),
+            "seconds": max(e["seconds"] for e in everyone),  # an epoch ends when its slowest worker is done
             "samples_per_sec": sum(e["seen"] / e["seconds"] for e in everyone),
             "samples_per_sec_per_worker": seen / seconds,
             "lr": trainer.learning_rate,
         }
-        epochs.append(row)
+        history.append(row)
         if rank == 0:
             print(
-                f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, test acc {row['test_acc']:.4f}, "
-                f"time {row['seconds']:.1f} s, {row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
+                f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, "
+                f"test acc {row['test_acc']:.4f}, time {row['seconds']:.1f} s, "
+                f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
                 f"{row['samples_per_sec']:.1f} samples/s total",
                 flush=True,
             )
-    total = time.perf_counter() - started
     if rank == 0:
-        report = {
-            "model": args.model,
-            "dataset": args.dataset,
-            "kv_store": kv.type,
-            "workers": workers,
-            "servers": getattr(kv, "num_servers", 0),
-            "devices": [str(d) for d in devices],
-            "batch_size_per_worker": args.batch_size,
-            "epochs": epochs,
-            "final": {
-                "test_acc": epochs[-1]["test_acc"] if epochs else None,
-                "train_acc": epochs[-1]["train_acc"] if epochs else None,
-                "loss": epochs[-1]["loss"] if epochs else None,
-                "seconds": total,
-                "samples_per_sec": sum(e["samples_per_sec"] * e["seconds"] for e in epochs) / max(1e-9, sum(e["seconds"] for e in epochs)),
-            },
-        }
+        last, seconds = history[-1], time.perf_counter() - started
+        rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)
         print(
-            f"done: test acc {report['final']['test_acc']:.4f} after {args.epochs} epochs in {total:.1f} s "
-            f"({report['final']['samples_per_sec']:.1f} samples/s in total)",
+            f"done: test acc {last['test_acc']:.4f} after {args.epochs} epochs in {seconds:.1f} s "
+            f"({rate:.1f} samples/s in total)",  # every epoch's rate weighted by its time
             flush=True,
         )
+        final = {key: last[key] for key in ("test_acc", "train_acc", "loss")}
+        report = {
+            "model": args.model, "dataset": args.dataset, "kv_store": kv.type,
+            "workers": workers, "servers": servers, "devices": [str(d) for d in devices],
+            "batch_size_per_worker": args.batch_size, "epochs": history,
+            "final": {**final, "seconds": seconds, "samples_per_sec": rate},
+        }  # fmt: skip
         if args.report:
             args.report.parent.mkdir(parents=True, exist_ok=True)
             args.report.write_text(json.dumps(report, indent=2) + "\n")
         if args.plot:
-            plot(epochs, args.plot, f"{args.model} on {args.dataset}: {workers} workers, {report['servers']} servers ({kv.type})")
+            title = f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})"
+            plot(history, args.plot, title)
     kv.close()
     return 0
 
 
-def _progress(enabled: bool, total: int, desc: str) -> Any:
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="batch", leave=False, file=sys.stderr, dynamic_ncols=False, ncols=100)
-
-
-def plot(epochs: list[dict[str, Any]], path: Path, title: str) -> None:
+def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
     """Loss and accuracy per epoch, one PNG."""
-    import matplotlib
+    from matplotlib.figure import Figure  # pyplot's global state and display are not needed
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    x = [e["epoch"] for e in epochs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.plot(x, [e["loss"] for e in epochs], marker="o")
+    x = [row["epoch"] for row in history]
+    fig = Figure(figsize=(10, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(x, [row["loss"] for row in history], marker="o")
     ax1.set(xlabel="epoch", ylabel="training loss", title="loss")
-    ax2.plot(x, [e["train_acc"] for e in epochs], marker="o", label="train")
-    ax2.plot(x, [e["test_acc"] for e in epochs], marker="s", label="test")
+    ax2.plot(x, [row["train_acc"] for row in history], marker="o", label="train")
+    ax2.plot(x, [row["test_acc"] for row in history], marker="s", label="test")
     ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1))
     ax2.legend()
     for ax in (ax1, ax2):
@@ -254,10 +207,6 @@ def plot(epochs: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# -- started by hand: launch the job --------------------------------------------------------------
 
 
 def main(argv: Sequence[str]) -> int:
@@ -265,16 +214,16 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     dist = args.kv_store.startswith("dist")
     try:
-        if args.workers is not None and args.workers < 1:
-            raise PSKVError(f"--workers must be >= 1, got {args.workers}")
+        if min(args.workers or 1, args.epochs, args.batch_size) < 1:
+            raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
         if not dist and (args.workers or 1) != 1:
             raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
         if os.environ.get("DMLC_ROLE") or not dist:
             return run_worker(args)
-        from pskv.launch.local import launch_local
+        from pskv.launch.local import launch_local  # only the process started by hand launches
 
-        workers = int(args.workers or 2)
-        print(f"pskv train: launching {workers} workers and {args.servers} servers on this machine", file=sys.stderr, flush=True)
+        workers = args.workers or 2
+        print(f"pskv train: launching {workers} workers and {args.servers} servers on this machine", file=sys.stderr)
         return launch_local(workers, args.servers, [sys.executable, "-m", "pskv", "train", *argv], quiet=True)
     except PSKVError as exc:
         print(f"pskv train: {exc}", file=sys.stderr)
