@@ -4,10 +4,10 @@
     python scripts/count_lines.py [ROOT]        # ROOT: the repository (default: this script's)
 
 The core is every ``.py`` file under ``pskv/`` outside ``pskv/app/``; the app is ``pskv/app/``. For
-each top-level group (a subpackage such as ``pskv/ps``, or a module such as ``pskv/trainer.py``) it
-prints the lines as ``wc -l`` counts them and the code lines alone: no blank lines, no lines that
-hold only a comment, no docstring lines. The budgets count ``wc -l`` lines; over one, the script
-names what is over and exits 1. Standard library only, so CI can run it before installing anything.
+each core group (a subpackage such as ``pskv/ps``, or a module such as ``pskv/trainer.py``) and each
+app module it prints the lines as ``wc -l`` counts them and the code lines alone: no blank lines, no
+lines that hold only a comment, no docstring lines. The budgets count ``wc -l`` lines; over one, the
+script names what is over and exits 1. Standard library only, so CI can run it before installing.
 """
 
 from __future__ import annotations
