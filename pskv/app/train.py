@@ -164,10 +164,11 @@ def run_worker(args: argparse.Namespace) -> int:
             )
     if rank == 0:
         last, seconds = history[-1], time.perf_counter() - started
+        # the run's samples/s: every epoch's rate weighted by its time
         rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)
         print(
             f"done: test acc {last['test_acc']:.4f} after {args.epochs} epochs in {seconds:.1f} s "
-            f"({rate:.1f} samples/s in total)",  # every epoch's rate weighted by its time
+            f"({rate:.1f} samples/s in total)",
             flush=True,
         )
         final = {key: last[key] for key in ("test_acc", "train_acc", "loss")}
@@ -214,7 +215,7 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     dist = args.kv_store.startswith("dist")
     try:
-        if min(args.workers or 1, args.epochs, args.batch_size) < 1:
+        if (args.workers is not None and args.workers < 1) or args.epochs < 1 or args.batch_size < 1:
             raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
         if not dist and (args.workers or 1) != 1:
             raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
