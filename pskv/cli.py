@@ -16,6 +16,7 @@ from .errors import PSKVError
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # train and bench are the training application's (pskv/app): the one place the core reaches it
     if argv and argv[0] == "train":  # its own parser (it re-runs itself as the workers)
         from .app.train import main as train_main
 

@@ -187,10 +187,8 @@ def load_cifar10(root: str | Path, train: bool = True) -> ArrayDataset:
             # channel-planar RGB rows (R plane, G plane, B plane) -> N x 32 x 32 x 3
             images = np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
             return ArrayDataset(torch.from_numpy(images), torch.from_numpy(labels), list(CIFAR10_CLASSES))
-    raise FileNotFoundError(
-        f"no CIFAR-10 {'training' if train else 'test'} data under {base}: looked for {names[0]}"
-        f"{'..data_batch_5' if train else ''} (or the same with .bin) in " + ", ".join(map(str, folders))
-    )
+    wanted = "data_batch_1..data_batch_5" if train else "test_batch"
+    raise FileNotFoundError(f"no CIFAR-10 {wanted} (nor with .bin) in " + ", ".join(map(str, folders)))
 
 
 _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm")
