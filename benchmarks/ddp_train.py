@@ -3,7 +3,7 @@
 
 Starts ``-n`` processes itself (``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``RANK``,
 ``WORLD_SIZE``), each with one thread (``torch.set_num_threads(1)``, ``OMP_NUM_THREADS=1``). Each
-process trains ``pskv.models.get_model(--model)`` on synthetic 32x32 RGB images with 10 classes,
+process trains ``pskv.app.models.get_model(--model)`` on synthetic 32x32 RGB images with 10 classes,
 generated in-process from a fixed seed (a different stream per rank), with SGD (lr 0.1, momentum
 0.9) and ``CrossEntropyLoss``: ``--warmup`` untimed steps, then ``--steps`` timed steps. With
 ``-n 1`` the model is trained without DDP and without a process group (the single-process baseline).
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup", type=int, default=5, help="untimed steps before the timed ones (default 5)"
     )
     parser.add_argument(
-        "--model", default="resnet18", help="name for pskv.models.get_model (default resnet18)"
+        "--model", default="resnet18", help="name for pskv.app.models.get_model (default resnet18)"
     )
     parser.add_argument("--json", type=Path, help="write the result as JSON to this file")
     parser.add_argument(
@@ -76,7 +76,7 @@ def train_process(args: argparse.Namespace) -> dict:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
-    from pskv.models import get_model
+    from pskv.app.models import get_model
 
     torch.set_num_threads(1)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from pskv.models import parameter_shapes
+from pskv.app.models import parameter_shapes
 
 
 def main() -> int:

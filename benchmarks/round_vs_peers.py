@@ -32,7 +32,7 @@ def pskv_bench(rounds: int, extra_env: dict[str, str]) -> dict:
 
 
 def mxnet(rounds: int, mxnet_python: str) -> dict:
-    from pskv.models import parameter_shapes
+    from pskv.app.models import parameter_shapes
 
     with tempfile.TemporaryDirectory() as tmp:
         shapes, out = Path(tmp) / "shapes.json", Path(tmp) / "mxnet.json"

@@ -41,7 +41,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from . import compression, data, kv, models, optim
+    from . import compression, data, kv, optim
     from .data import split_and_load
     from .trainer import Trainer
 
@@ -50,7 +50,6 @@ _LAZY = {
     "compression": ("pskv.compression", None),
     "data": ("pskv.data", None),
     "kv": ("pskv.kv", None),
-    "models": ("pskv.models", None),
     "optim": ("pskv.optim", None),
     "split_and_load": ("pskv.data", "split_and_load"),
     "Trainer": ("pskv.trainer", "Trainer"),
@@ -93,7 +92,6 @@ __all__ = [
     "compression",
     "data",
     "kv",
-    "models",
     "optim",
     "split_and_load",
 ]

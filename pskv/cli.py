@@ -16,12 +16,13 @@ from .errors import PSKVError
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # train and bench are the training application's (pskv/app): the one place the core reaches it
     if argv and argv[0] == "train":  # its own parser (it re-runs itself as the workers)
-        from .train import main as train_main
+        from .app.train import main as train_main
 
         return train_main(argv[1:])
     if argv and argv[0] == "bench":
-        from .bench import main as bench_main
+        from .app.bench import main as bench_main
 
         return bench_main(argv[1:])
     from . import launch

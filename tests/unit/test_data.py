@@ -1,4 +1,4 @@
-"""pskv.data: partitioning, split_and_load, the data set loaders and the batch transforms."""
+"""pskv.data and pskv.app.datasets: partitioning, split_and_load, the data set loaders and the batch transforms."""
 
 from __future__ import annotations
 
@@ -11,27 +11,25 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
-from pskv import data
-from pskv.data import (
+from pskv.app import datasets as data
+from pskv.app.datasets import (
     CIFAR10_MEAN,
     CIFAR10_STD,
     DIGITS_MEAN,
     DIGITS_STD,
     ArrayDataset,
-    SplitSampler,
+    BatchTransform,
     batches,
-    channel_mean_std,
     get_dataset,
     load_cifar10,
     load_digits,
     load_image_folder,
-    split_and_load,
     synthetic,
-    train_transform,
     transforms_for,
 )
+from pskv.data import SplitSampler, split_and_load
 
 
 # =========================================================================== SplitSampler
@@ -94,7 +92,7 @@ def test_split_sampler_argument_errors(kwargs: dict[str, int], match: str) -> No
 
 
 def test_split_sampler_with_dataloader() -> None:
-    ds = ArrayDataset(torch.zeros(20, 2, 2, 1, dtype=torch.uint8), torch.arange(20))
+    ds = TensorDataset(torch.zeros(20, 2, 2, 1, dtype=torch.uint8), torch.arange(20))
     sampler = SplitSampler(len(ds), 2, 1, seed=0)
     labels = torch.cat([y for _, y in DataLoader(ds, batch_size=4, sampler=sampler)])
     assert sorted(labels.tolist()) == list(range(10, 20))
@@ -336,9 +334,11 @@ def test_digits_split_indices_disjoint_and_seeded() -> None:
 
 
 def test_digits_native_size_matches_scikit_learn() -> None:
-    pixels, targets = data._digits_arrays()
-    via_sklearn = data._digits_arrays(use_sklearn_api=True)
-    assert np.array_equal(pixels, via_sklearn[0]) and np.array_equal(targets, via_sklearn[1])
+    from sklearn.datasets import load_digits as sklearn_load_digits
+
+    pixels, targets = data._digits_arrays()  # read from the CSV without importing scikit-learn
+    via_sklearn = sklearn_load_digits()
+    assert np.array_equal(pixels, via_sklearn.data) and np.array_equal(targets, via_sklearn.target)
     small = load_digits(train=False, image_size=8)
     _, te = data._split_indices(torch.as_tensor(targets), 0.2, seed=0)
     expected = np.rint(pixels[te.numpy()].reshape(-1, 8, 8) * 255 / 16).astype(np.uint8)
@@ -347,8 +347,9 @@ def test_digits_native_size_matches_scikit_learn() -> None:
 
 
 def test_digits_mean_std_constants() -> None:
-    mean, std = channel_mean_std(load_digits(train=True).images)
-    assert mean == pytest.approx(DIGITS_MEAN, abs=1e-3) and std == pytest.approx(DIGITS_STD, abs=1e-3)
+    pixels = load_digits(train=True).images.reshape(-1, 3).to(torch.float64) / 255.0
+    assert pixels.mean(0).tolist() == pytest.approx(DIGITS_MEAN, abs=1e-4)
+    assert pixels.std(0).tolist() == pytest.approx(DIGITS_STD, abs=1e-4)
 
 
 def test_synthetic_is_deterministic_and_learnable() -> None:
@@ -381,7 +382,7 @@ def test_get_dataset(tmp_path: Path) -> None:
 
 # =========================================================================== transforms, batches
 def test_test_transform_converts_and_normalizes() -> None:
-    tf = data.test_transform(CIFAR10_MEAN, CIFAR10_STD)
+    tf = BatchTransform(CIFAR10_MEAN, CIFAR10_STD)
     images = torch.zeros(2, 4, 4, 3, dtype=torch.uint8)
     images[1] = 255
     images[0, 1, 2] = torch.tensor([51, 102, 204], dtype=torch.uint8)
@@ -391,8 +392,8 @@ def test_test_transform_converts_and_normalizes() -> None:
     assert torch.allclose(out[0, :, 0, 0], -mean / std)
     assert torch.allclose(out[1, :, 3, 3], (1 - mean) / std)
     assert torch.allclose(out[0, :, 1, 2], (torch.tensor([0.2, 0.4, 0.8]) - mean) / std)
-    single = tf(images[0])
-    assert single.shape == (3, 4, 4) and torch.allclose(single, out[0])
+    with pytest.raises(ValueError, match="N x H x W x 3"):
+        tf(images[0])
     with pytest.raises(ValueError, match="N x H x W x 3"):
         tf(torch.zeros(2, 4, 4, 1, dtype=torch.uint8))
 
@@ -401,7 +402,7 @@ def test_train_transform_flip_only() -> None:
     images = torch.randint(
         0, 256, (64, 6, 6, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8
     )
-    tf = train_transform((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), pad=0, flip=True)
+    tf = BatchTransform((0.0, 0.0, 0.0), (1.0, 1.0, 1.0), pad=0, flip=True)
     out = tf(images, torch.Generator().manual_seed(1))
     plain = images.permute(0, 3, 1, 2).float() / 255
     same = torch.isclose(out, plain).flatten(1).all(1)
@@ -419,7 +420,7 @@ def test_train_transform_pad_and_crop() -> None:
     images = torch.arange(1, h * w + 1, dtype=torch.float32).view(1, h, w, 1) + 100 * torch.arange(n).view(
         n, 1, 1, 1
     )
-    tf = train_transform((0.0,), (1.0,), pad=pad, flip=False)
+    tf = BatchTransform((0.0,), (1.0,), pad=pad, flip=False)
     out = tf(images, torch.Generator().manual_seed(0))
     assert out.shape == (n, 1, h, w)
     padded = torch.nn.functional.pad(images[..., 0], (pad, pad, pad, pad))
@@ -437,16 +438,13 @@ def test_train_transform_pad_and_crop() -> None:
 
 
 def test_transforms_for() -> None:
-    train_tf, test_tf = transforms_for("digits")  # digits: no augmentation by default
-    assert train_tf.pad == 0 and not train_tf.flip and train_tf.mean == DIGITS_MEAN
-    assert test_tf.pad == 0 and not test_tf.flip and test_tf.std == DIGITS_STD
-    augmented, _ = transforms_for("digits", image_size=32, augment=True)
-    assert augmented.pad == 4 and not augmented.flip  # never flipped
+    train_tf, test_tf = transforms_for("digits")  # digits: no augmentation
+    assert train_tf == test_tf == BatchTransform(DIGITS_MEAN, DIGITS_STD, pad=0, flip=False)
     cifar_train, cifar_test = transforms_for("cifar10", image_size=16)
-    assert cifar_train.flip and cifar_train.pad == 2 and cifar_train.std == CIFAR10_STD
-    assert cifar_test.pad == 0 and not cifar_test.flip
-    plain, _ = transforms_for("synthetic", augment=False)
-    assert plain.pad == 0 and not plain.flip
+    assert cifar_train == BatchTransform(CIFAR10_MEAN, CIFAR10_STD, pad=2, flip=True)
+    assert cifar_test == BatchTransform(CIFAR10_MEAN, CIFAR10_STD, pad=0, flip=False)
+    assert transforms_for("synthetic", image_size=32)[0].pad == 4
+    assert transforms_for("folder", image_size=4)[0].pad == 1  # at least one pixel
     with pytest.raises(ValueError, match="unknown data set"):
         transforms_for("nope")
 
@@ -458,8 +456,7 @@ def test_batches_follow_the_sampler() -> None:
     assert [len(y) for _, y in got] == [4, 4, 2]
     assert torch.cat([y for _, y in got]).tolist() == [100, 110, 120, 130, 140, 150, 160, 170, 180, 190]
     assert got[0][0].dtype == torch.uint8 and got[0][0].view(-1).tolist() == [10, 11, 12, 13]
-    assert [len(y) for _, y in batches(ds, sampler, 4, drop_last=True)] == [4, 4]
-    tf = data.test_transform((0.0,), (1.0,))
+    tf = BatchTransform((0.0,), (1.0,))
     x, y = next(batches(ds, None, 5, tf))
     assert y.tolist() == [0, 10, 20, 30, 40]
     assert x.shape == (5, 1, 1, 1) and torch.allclose(x.view(-1), torch.arange(5) / 255.0)

@@ -33,7 +33,6 @@ EXPECTED = [
     "compression",
     "data",
     "kv",
-    "models",
     "optim",
     "split_and_load",
 ]

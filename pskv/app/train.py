@@ -1,0 +1,231 @@
+"""``pskv train``: the tutorials' job. ResNet-18 trained by several workers through parameter servers.
+
+Started by hand, it launches a job on this machine (2 workers and 2 servers by default) and shows
+worker 0's progress; as a worker of a job (``pskv launch -n 4 -s 2 -- pskv train``) it is that
+worker's program (:func:`run_worker`, five numbered steps); with ``--kv-store local`` or ``device``
+it trains in this process alone. The batch size is per worker, as in the tutorials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from pskv.app import datasets, models
+from pskv.data import SplitSampler, split_and_load
+from pskv.errors import PSKVError
+from pskv.kv import create
+from pskv.trainer import Trainer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pskv train",
+        description="Train ResNet-18 (or the lab's small CNN) with several workers and parameter servers.",
+        epilog="examples:\n  pskv train\n  pskv train --kv-store local --workers 1\n"
+        "  pskv launch -n 4 -s 2 -- pskv train --epochs 10\n"
+        "  pskv train --dataset cifar10 --data-dir ~/data/cifar-10-batches-py",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = p.add_argument
+    add("--workers", type=int, help="workers to launch when started by hand (2 for dist stores, 1 otherwise)")
+    add("--servers", type=int, default=2, help="servers to launch when started by hand (%(default)s)")
+    add("--kv-store", default="dist_sync", help="local, device, dist_sync, dist_device_sync, dist_async")
+    add("--dataset", default="digits", choices=datasets.DATASET_NAMES, help="%(default)s: no download needed")
+    add("--data-dir", help="directory of the cifar10 or folder data set")
+    add("--model", default="resnet18", choices=models.MODEL_NAMES, help="%(default)s")
+    add("--epochs", type=int, default=4, help="%(default)s")
+    add("--batch-size", type=int, default=32, help="per worker (%(default)s)")
+    add("--lr", type=float, default=0.01, help="learning rate (%(default)s)")
+    add("--lr-schedule", default="cosine", choices=["none", "step", "cosine"], help="%(default)s")
+    add("--momentum", type=float, default=0.9, help="%(default)s")
+    add("--wd", type=float, default=5e-4, help="weight decay (%(default)s)")
+    add("--image-size", type=int, default=16, help="%(default)s")
+    add("--devices", default="cpu", help="this worker's devices, e.g. cuda:0,cuda:1 (%(default)s)")
+    add("--seed", type=int, default=0, help="%(default)s")
+    add("--threads", type=int, help="torch threads per worker (default: OMP_NUM_THREADS or all cores)")
+    add("--report", type=Path, help="write a JSON report here (worker 0)")
+    add("--plot", type=Path, help="write a PNG of loss and accuracy per epoch here (worker 0)")
+    add("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    # 1. Join the job. A process started as a server or the scheduler serves inside create() and exits.
+    kv = create(args.kv_store)
+    rank, workers, servers = kv.rank, kv.num_workers, getattr(kv, "num_servers", 0)
+    devices = [torch.device(d.strip()) for d in args.devices.split(",")]
+    torch.manual_seed(args.seed)
+
+    # 2. This worker's part of the data: worker r of W reads the r-th contiguous slice of the training
+    # set, reshuffled each epoch with a seed all workers share (every worker loads the same data set).
+    train_set = datasets.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
+    test_set = datasets.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
+    train_tf, test_tf = datasets.transforms_for(args.dataset, args.image_size)
+    sampler = SplitSampler(len(train_set), workers, rank, shuffle=True, seed=args.seed)
+    test_part = range(len(test_set) * rank // workers, len(test_set) * (rank + 1) // workers)
+    steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
+    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)  # augmentation differs per worker
+
+    # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
+    classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
+    nets = [models.get_model(args.model, classes, channels, args.image_size).to(d) for d in devices]
+    hyper: dict[str, Any] = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
+    steps = max(2, steps_per_epoch * args.epochs)
+    if args.lr_schedule == "step":  # x0.1 at 50% and at 75% of the run
+        milestones = [max(1, steps // 2), max(2, steps * 3 // 4)]
+        hyper["lr_scheduler"] = {"name": "multifactor", "step": milestones, "factor": 0.1}
+    elif args.lr_schedule == "cosine":  # warm up for an epoch (at most a tenth of the run), then decay to 0
+        warmup = min(steps_per_epoch, steps // 10)
+        hyper["lr_scheduler"] = {"name": "cosine", "max_update": steps, "final_lr": 0.0, "warmup_steps": warmup}
+    trainer = Trainer([net.parameters() for net in nets], "sgd", hyper, kvstore=kv)
+    loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
+
+    if rank == 0:
+        store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
+        print(
+            f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
+            f"images), {workers} worker(s) x {len(devices)} device(s), store {store}, "
+            f"batch {args.batch_size} per worker, {args.epochs} epochs",
+            flush=True,
+        )
+    history: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for epoch in range(args.epochs):
+        # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
+        # sums the gradients over devices and workers and waits for the servers' new weights.
+        sampler.set_epoch(epoch)
+        loss_sum, correct, seen = 0.0, 0, 0
+        bar = tqdm(
+            datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), total=steps_per_epoch,
+            desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False, file=sys.stderr, ncols=100,
+            disable=rank != 0 or args.no_progress,
+        )  # fmt: skip
+        t0 = time.perf_counter()
+        for x, y in bar:
+            xs = split_and_load(x, devices, even_split=False)
+            ys = split_and_load(y, devices, even_split=False)
+            for net, xi, yi in zip(nets, xs, ys):
+                net.zero_grad()
+                out = net(xi)
+                loss = loss_fn(out, yi)
+                loss.backward()
+                loss_sum += loss.item()
+                correct += int((out.argmax(1) == yi).sum())
+            trainer.step(len(x))
+            seen += len(x)
+            bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
+        seconds = time.perf_counter() - t0
+
+        # 5. Evaluate this worker's share of the test set, then gather everyone's numbers
+        # (kv.allgather), so that worker 0 reports loss and accuracy over all workers' data.
+        net, test_correct = nets[0].eval(), 0  # replica 0, with its own BatchNorm statistics
+        with torch.no_grad():
+            for x, y in datasets.batches(test_set, test_part, 256, test_tf):
+                test_correct += int((net(x.to(devices[0])).argmax(1).cpu() == y).sum())
+        net.train()
+        mine = {
+            "loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
+            "test_correct": test_correct, "test_seen": len(test_part),
+        }  # fmt: skip
+        everyone = kv.allgather(mine)
+        total = {key: sum(e[key] for e in everyone) for key in mine}
+        row = {
+            "epoch": epoch + 1,
+            "loss": total["loss"] / total["seen"],
+            "train_acc": total["correct"] / total["seen"],
+            "test_acc": total["test_correct"] / max(1, total["test_seen"]),
+            "seconds": max(e["seconds"] for e in everyone),  # an epoch ends when its slowest worker is done
+            "samples_per_sec": sum(e["seen"] / e["seconds"] for e in everyone),
+            "samples_per_sec_per_worker": seen / seconds,
+            "lr": trainer.learning_rate,
+        }
+        history.append(row)
+        if rank == 0:
+            print(
+                f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, "
+                f"test acc {row['test_acc']:.4f}, time {row['seconds']:.1f} s, "
+                f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
+                f"{row['samples_per_sec']:.1f} samples/s total",
+                flush=True,
+            )
+    if rank == 0:
+        last, seconds = history[-1], time.perf_counter() - started
+        # the run's samples/s: every epoch's rate weighted by its time
+        rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)
+        print(
+            f"done: test acc {last['test_acc']:.4f} after {args.epochs} epochs in {seconds:.1f} s "
+            f"({rate:.1f} samples/s in total)",
+            flush=True,
+        )
+        final = {key: last[key] for key in ("test_acc", "train_acc", "loss")}
+        report = {
+            "model": args.model, "dataset": args.dataset, "kv_store": kv.type,
+            "workers": workers, "servers": servers, "devices": [str(d) for d in devices],
+            "batch_size_per_worker": args.batch_size, "epochs": history,
+            "final": {**final, "seconds": seconds, "samples_per_sec": rate},
+        }  # fmt: skip
+        if args.report:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(json.dumps(report, indent=2) + "\n")
+        if args.plot:
+            title = f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})"
+            plot(history, args.plot, title)
+    kv.close()
+    return 0
+
+
+def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Loss and accuracy per epoch, one PNG."""
+    from matplotlib.figure import Figure  # pyplot's global state and display are not needed
+
+    x = [row["epoch"] for row in history]
+    fig = Figure(figsize=(10, 4))
+    ax1, ax2 = fig.subplots(1, 2)
+    ax1.plot(x, [row["loss"] for row in history], marker="o")
+    ax1.set(xlabel="epoch", ylabel="training loss", title="loss")
+    ax2.plot(x, [row["train_acc"] for row in history], marker="o", label="train")
+    ax2.plot(x, [row["test_acc"] for row in history], marker="s", label="test")
+    ax2.set(xlabel="epoch", ylabel="accuracy", title="accuracy", ylim=(0, 1))
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.set_xticks(x)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: Sequence[str]) -> int:
+    """``pskv train ARGS``: a worker's program inside a job, else launch one (or train alone)."""
+    args = build_parser().parse_args(list(argv))
+    dist = args.kv_store.startswith("dist")
+    try:
+        if (args.workers is not None and args.workers < 1) or args.epochs < 1 or args.batch_size < 1:
+            raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
+        if not dist and (args.workers or 1) != 1:
+            raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
+        if os.environ.get("DMLC_ROLE") or not dist:
+            return run_worker(args)
+        from pskv.launch.local import launch_local  # only the process started by hand launches
+
+        workers = args.workers or 2
+        print(f"pskv train: launching {workers} workers and {args.servers} servers on this machine", file=sys.stderr)
+        return launch_local(workers, args.servers, [sys.executable, "-m", "pskv", "train", *argv], quiet=True)
+    except PSKVError as exc:
+        print(f"pskv train: {exc}", file=sys.stderr)
+        return 2
