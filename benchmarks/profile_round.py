@@ -1,18 +1,21 @@
 #!/usr/bin/env python3
-"""Where the time of one round goes: a traced ``pskv bench`` run, merged into one timeline.
+"""Where the time of one round goes: a ``pskv bench`` run with ``PSKV_TIMELINE``, as one timeline.
 
-Runs ``pskv bench --model resnet18 -n 2 -s 2`` (or ``--size-mb``, ``-n``, ``-s``) with ``PSKV_TRACE`` set, then prints, for the
-median round, every recorded event of every process relative to the round's start, and the
-memcpy bound of this machine for the same payload: the copies and the sum a round cannot avoid
-(each worker copies its push into shared memory and its pull out of it; the servers read every
-worker's push and write the sum), timed here with one thread each and spread over the cores.
+Runs ``pskv bench --model resnet18 -n 2 -s 2`` (or ``--size-mb``, ``-n``, ``-s``) with every
+process recording its timeline (:mod:`pskv.ps.timeline`), merges the files into one Chrome trace
+(``--trace``, open it in https://ui.perfetto.dev), and prints, for the median round, every span of
+every process relative to the round's start; then the memcpy bound of this machine for the same
+payload: the copies and the sum a round cannot avoid (each worker copies its push into shared
+memory and its pull out of it; the servers read every worker's push and write the sum), timed
+here with one thread each and spread over the cores.
 
-    python benchmarks/profile_round.py [--rounds 20] [--size-mb MB] [-n W] [-s S]
+    python benchmarks/profile_round.py [--rounds 20] [--size-mb MB] [-n W] [-s S] [--trace round.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -26,6 +29,7 @@ from typing import Callable
 import torch
 
 from pskv.app.models import parameter_shapes
+from pskv.ps import timeline
 
 
 def main() -> int:
@@ -34,35 +38,26 @@ def main() -> int:
     p.add_argument("--size-mb", type=float, help="one array of this size instead of the ResNet-18 payload")
     p.add_argument("-n", "--workers", type=int, default=2)
     p.add_argument("-s", "--servers", type=int, default=2)
+    p.add_argument("--trace", type=Path, help="keep the merged Chrome trace here")
     args = p.parse_args()
     payload = ["--size-mb", str(args.size_mb)] if args.size_mb else ["--model", "resnet18"]
     with tempfile.TemporaryDirectory() as tmp:
+        path = str(args.trace or Path(tmp) / "round.json")
         subprocess.run([sys.executable, "-m", "pskv", "bench", *payload, "-n", str(args.workers), "-s", str(args.servers),
                         "--rounds", str(args.rounds), "--warmup", "3"],
-                       check=True, env={**os.environ, "PSKV_TRACE": tmp})  # fmt: skip
-        events = []
-        for f in Path(tmp).glob("*.trace"):
-            for line in f.read_text().splitlines():
-                t, what = line.split(" ", 1)
-                events.append((float(t), f.stem, what))
-    events.sort()
-    starts = [t for t, who, what in events if who == "worker-0" and what == "push starts"]
-    rounds = [(a, b) for a, b in zip(starts, starts[1:])]
-    ends = {a: max(t for t, who, what in events if a <= t < b and what == "pull complete") for a, b in rounds}
-    lengths = sorted(rounds, key=lambda r: ends[r[0]] - r[0])
-    a, _ = lengths[len(lengths) // 2]
-    print(
-        f"median round: {1000 * (ends[a] - a):.1f} ms (rounds: {statistics.median([ends[r] - r for r, _ in rounds]) * 1000:.1f} ms median)"
-    )
-    for t, who, what in events:
-        if a - 0.0005 <= t <= ends[a] + 0.0005:
-            print(f"{1000 * (t - a):8.2f} ms  {who:9} {what}")
-    n = (
-        int(args.size_mb * 1e6 / 4)
-        if args.size_mb
-        else sum(math.prod(s) for s in parameter_shapes("resnet18"))
-    )
-    memcpy_bound(n, args.workers, statistics.median([ends[r] - r for r, _ in rounds]))
+                       check=True, env={**os.environ, "PSKV_TIMELINE": path})  # fmt: skip
+        timeline.merge(path)
+        events = json.loads(Path(path).read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = sorted((e["ts"] / 1e6, e["dur"] / 1e6, names.get(e["pid"], "?"), e["name"]) for e in events if e["ph"] == "X")
+    rounds = [(t, d) for t, d, who, what in spans if who == "worker 0" and what == "round"][3:]
+    a, length = sorted(rounds, key=lambda r: r[1])[len(rounds) // 2]
+    print(f"median round: {1000 * length:.1f} ms; every span in it, from its start:")
+    for t, d, who, what in spans:
+        if a - 0.0005 <= t <= a + length:
+            print(f"{1000 * (t - a):8.2f} ms  {1000 * d:7.2f} ms  {who:9} {what}")
+    n = int(args.size_mb * 1e6 / 4) if args.size_mb else sum(math.prod(s) for s in parameter_shapes("resnet18"))
+    memcpy_bound(n, args.workers, statistics.median(d for _, d in rounds))
     return 0
 
 

@@ -13,6 +13,7 @@ variable                   default  meaning
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
+``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
 ========================== ======== ============================================================
 
 The ``DMLC_*`` variables that say who a process is (role, scheduler address, counts) are read in

@@ -51,6 +51,7 @@ from . import optim
 from .errors import OptimizerError, TrainerError
 from .kv import KVStore, create
 from .kv.base import Key
+from .ps import timeline
 from .ps.tracker import Handle
 
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
@@ -216,7 +217,9 @@ class Trainer:
                 for t in module._parameters.values():
                     i = where.get(id(t)) if t is not None else None
                     if i is not None and i in trainer._inflight:
+                        t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
+                        timeline.span(f"wait {trainer._keys[i]}", t0)
 
         hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
         hooks.append(register_module_forward_pre_hook(before_forward))
@@ -233,7 +236,9 @@ class Trainer:
             )
         self._ready[i] += 1
         if self._ready[i] == len(self._reps):
+            t0 = timeline.now()
             self._send(i, [rep[i].grad for rep in self._reps])  # type: ignore[misc]
+            timeline.span(f"push {self._keys[i]}", t0)
 
     def _send(self, i: int, grads: list[Tensor]) -> None:
         """Push key ``i``'s gradients (without waiting); gradient sums come back into them."""
@@ -343,6 +348,7 @@ class Trainer:
         error unless ``ignore_stale_grad`` (then they count as zero gradients, so dist rounds
         stay complete).
         """
+        t0 = timeline.now()
         scale = self._set_scale(batch_size)
         if not self._update_on_kvstore:
             self._allreduce(ignore_stale_grad)
@@ -364,6 +370,7 @@ class Trainer:
                 self._kv.pull(self._keys, self._per_key(lambda t: t), _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
         self._next_step()
+        timeline.span("step", t0)
 
     def allreduce_grads(self, ignore_stale_grad: bool = False) -> None:
         """Replace every replica's gradient by the sum over devices and workers."""

@@ -27,6 +27,7 @@ from pskv import kv as kvstore
 from pskv import optim
 from pskv.app.models import parameter_shapes
 from pskv.errors import PSKVError
+from pskv.ps import timeline
 
 Shapes = list[tuple[int, ...]]
 
@@ -65,6 +66,7 @@ def pskv_worker(args: argparse.Namespace, shapes: Shapes) -> list[dict[str, Any]
         t0 = time.perf_counter()
         kv.push(keys, grads)
         kv.pull(keys, outs)
+        timeline.span("round", t0)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
     want = 0.0 if args.kv_store == "dist_async" else kv.num_workers * (kv.num_workers + 1) / 2

@@ -32,7 +32,7 @@ from .. import config, errors
 from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
-from ..ps import trace
+from ..ps import timeline
 from ..ps.client import WorkerClient
 from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
@@ -74,7 +74,7 @@ class DistStore(KVStore):
         except BaseException:
             self.close()
             raise
-        trace.start(f"worker-{self._client.rank}")
+        timeline.start("worker", self._client.rank)
         self._bound = config.bigarray_bound()
         self._chunk = config.chunk_bytes()
         self._parts: dict[int, list[Part]] = {}
@@ -138,8 +138,8 @@ class DistStore(KVStore):
             raise errors.OptimizerRequiredError(
                 "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
             )
-        trace.event("push starts")
         handle = self._client.handle()
+        t0 = timeline.now()
         for meta, values in items:
             for p, row, frames in self._push_parts(meta, values, wait, int(held)):
                 # TCP: a message leaves every PSKV_BATCH_BYTES, so the server sums one while the
@@ -149,12 +149,12 @@ class DistStore(KVStore):
                 self._client.queue(p.server, Type.PUSH, row, frames, (handle, None, None), nbytes)
                 if not frames:  # from our shared slot: not to be written again before the server merged it
                     self._before_push[(meta.id, p.index)] = handle
+        timeline.span("push (copy in, queue)", t0, keys=len(items))
         if not wait:
             self._client.flush(soon=True)
             return handle
         # the caller may change its tensors once push returns: wait until zmq has the bytes
         self._client.wait_sent(self._client.flush())
-        trace.event("push copied and sent")
         return None
 
     def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int = 0) -> list[tuple[Part, list[int], list[Any]]]:
@@ -260,7 +260,6 @@ class DistStore(KVStore):
         for (meta, _), sink in zip(items, sinks):
             for p in self._parts[meta.id]:
                 self._queue_pull(handle, meta, p, sink(p), rescale=rescale)
-        trace.event("pull sent")
         return self._done(handle, wait)
 
     def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None) -> None:

@@ -43,7 +43,7 @@ from ..errors import (
     PSKVError,
     StoreClosedError,
 )
-from . import shm
+from . import shm, timeline
 from .message import PULL, PUSH, Message, Type
 from .node import JobEnv, Node, failure, host_identity
 from .tracker import Entry, Handle, OnReply, Request, Tracker
@@ -188,7 +188,9 @@ class WorkerClient(Node):
                     pid = int(self.servers[server]["pid"])
                     req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
                 msg.req_id = req.req_id
+                t0 = timeline.now()
                 waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
+                timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
                 if waiter is not None:
                     sent.append(waiter)
         return sent
@@ -216,7 +218,9 @@ class WorkerClient(Node):
                     if isinstance(msg, ProtocolError):
                         print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
                     else:
-                        self.tracker.answer(msg)
+                        t0 = timeline.now()
+                        self.tracker.answer(msg)  # copies pulled parts into place
+                        timeline.span(f"answer from {peer}", t0, bytes=sum(len(f) for f in msg.frames[1:]))
         finally:
             self._receiving.release()
 

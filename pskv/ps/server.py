@@ -31,7 +31,7 @@ from torch import Tensor
 from .. import config
 from ..compression import Codec
 from ..errors import ClusterError, NodeFailedError, ProtocolError, PSKVError
-from . import shm, trace
+from . import shm, timeline
 from .message import (
     ANSWER,
     PULL,
@@ -91,7 +91,7 @@ class Server(Node):
         if not self.env.inproc:
             torch.set_num_threads(server_threads())
         self.say(f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers)")
-        trace.start(f"server-{self.rank}")
+        timeline.start("server", self.rank)
         backlog, self.early = self.early, []
         next_sweep = 0.0
         try:
@@ -181,13 +181,14 @@ class Server(Node):
                 frames.append(tensor_frame(a.value))
 
     def _flush(self) -> None:
+        t0 = timeline.now()
         out = sorted(self._outbox.items(), key=lambda item: any(r[3] for r in item[1][0]))  # acknowledgements first
         self._outbox.clear()
         for req, (rows, frames) in out:
             kind = Type.DATA if any(nbytes for *_, nbytes in rows) else Type.OK
             self._send(req.route, req.msg.reply(kind, frames=[ANSWER.pack(rows), *frames]))
         if out:
-            trace.event(f"answered {len(out)} requests")
+            timeline.span("answer", t0, requests=len(out))
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -199,15 +200,17 @@ class Server(Node):
         rank = self.ranks.get(peer)
         if rank is None:
             raise ProtocolError(f"a {msg.type.name} on a connection that has not said HELLO")
+        t0 = timeline.now()
         if msg.type == Type.INIT:
             self._deliver(self.rounds.init(req, rank, str((msg.meta or {}).get("mode")), self._init_entries(msg, rank)))
         elif msg.type == Type.PUSH:
             pushes = self._push_entries(msg, rank, req)
-            trace.event(f"push of {len(pushes)} parts from worker {rank} arrives")
-            self._deliver(self.rounds.push(req, rank, pushes))
+            self._deliver(self.rounds.push(req, rank, pushes))  # merges and updates the rounds it completes
+            timeline.span(f"PUSH from worker {rank}", t0, parts=len(pushes))
         elif msg.type == Type.PULL:
             pulls = self._pull_entries(msg, req)
             self._deliver(self.rounds.pull(req, rank, pulls))
+            timeline.span(f"PULL from worker {rank}", t0, parts=len(pulls))
         elif msg.type == Type.SET_OPTIMIZER:
             meta = msg.meta or {}
             self.rounds.set_optimizer(meta.get("optimizer"), bool(meta.get("keep_states")))

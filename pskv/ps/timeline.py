@@ -1,0 +1,82 @@
+"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (off by default; nearly free then).
+
+Each process records spans (what, when, how long, on which thread) with the clock that every
+process of a host shares (``time.perf_counter``: CLOCK_MONOTONIC on Linux) and writes them when
+it exits as a Chrome trace, ``path.<role>-<rank>.json``; ``pskv launch`` merges them into
+``path`` when the job ends (:func:`merge`). Open it in https://ui.perfetto.dev or chrome://tracing:
+one row per process and thread, so a step's backward, pushes, the servers' merges and the pulls
+can be seen side by side. Spans recorded: a worker's gradients leaving during backward
+(``push <key>``), messages sent (``send PUSH``/``send PULL``), answers handled, waits in
+``step`` and before a layer's forward; a server's handling of each request (its merges and
+optimizer updates included) and its answers.
+
+>>> t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import threading
+import time
+from typing import Any, Optional
+
+on = False
+_path = ""
+_events: list[dict[str, Any]] = []
+_lock = threading.Lock()
+_pid = 0
+_threads: dict[int, int] = {}
+
+
+def start(role: str, rank: int) -> None:
+    """Begin recording for this process if ``PSKV_TIMELINE`` is set."""
+    global on, _path, _pid
+    path = os.environ.get("PSKV_TIMELINE", "")
+    if not path or on:
+        return
+    on, _path = True, f"{path}.{role}-{rank}.json"
+    _pid = {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank
+    _events.append({"name": "process_name", "ph": "M", "pid": _pid, "args": {"name": f"{role} {rank}"}})
+    atexit.register(_dump)
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def span(name: str, begin: float, end: Optional[float] = None, **args: Any) -> None:
+    """Record ``name`` from ``begin`` to ``end`` (now by default); ``args`` are shown with it."""
+    if not on:
+        return
+    end = time.perf_counter() if end is None else end
+    ident = threading.get_ident()
+    with _lock:
+        if ident not in _threads:  # a thread seen for the first time: name its row
+            _threads[ident] = len(_threads)
+            _events.append({"name": "thread_name", "ph": "M", "pid": _pid, "tid": _threads[ident], "args": {"name": threading.current_thread().name}})
+        tid = _threads[ident]
+        _events.append({"name": name, "ph": "X", "ts": begin * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": tid, "args": args})
+
+
+def _dump() -> None:
+    with _lock, open(_path, "w") as f:
+        json.dump({"traceEvents": _events}, f)
+
+
+def merge(path: str) -> Optional[str]:
+    """Merge the per-process files ``path.*.json`` into ``path`` (and remove them); the path
+    written, or None when there were none."""
+    parts = sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))
+    if not parts:
+        return None
+    events: list[Any] = []
+    for part in parts:
+        with open(part) as f:
+            events += json.load(f).get("traceEvents", [])
+        os.unlink(part)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    return path
