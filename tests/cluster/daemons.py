@@ -733,6 +733,14 @@ class _BatchSystem:
         """Run a client command (srun, sbatch, qsub, qstat, ...) against this cluster."""
         return _run(argv, env=self.env(), timeout=timeout, check=check, cwd=cwd, logs=self.logs)
 
+    def jobs_left(self, timeout: float = 30.0) -> list[str]:
+        """The job ids still listed after up to ``timeout`` s: a job that has just ended can be
+        listed a moment longer (Slurm's COMPLETING state)."""
+        deadline = time.monotonic() + timeout
+        while (ids := self.job_ids()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return ids
+
     def _empty_queue(self, cancel: Sequence[str], timeout: float) -> None:
         """Cancel every job with ``cancel`` and wait until the queue lists none."""
         ids = self.job_ids()
