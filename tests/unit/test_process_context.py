@@ -23,7 +23,7 @@ sys.stdout.write("no newline at the end")
 def test_lines_never_mix_and_are_prefixed() -> None:
     out, err = io.StringIO(), io.StringIO()
     ctx = ProcessContext(stdout=out, stderr=err)
-    procs = [ctx.start(f"worker {i}", "worker", [sys.executable, "-u", "-c", WRITER], {}) for i in range(3)]
+    procs = [ctx.start(f"worker {i}", [sys.executable, "-u", "-c", WRITER], {}) for i in range(3)]
     assert ctx.wait(procs, []) == 0
     lines = out.getvalue().splitlines()
     for i in range(3):
@@ -36,8 +36,8 @@ def test_lines_never_mix_and_are_prefixed() -> None:
 def test_first_failure_stops_the_others_and_is_reported() -> None:
     out, err = io.StringIO(), io.StringIO()
     ctx = ProcessContext(stdout=out, stderr=err, grace=1.0)
-    sleeper = ctx.start("worker 0", "worker", [sys.executable, "-c", "import time; time.sleep(60)"], {})
-    failer = ctx.start("worker 1", "worker", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
+    sleeper = ctx.start("worker 0", [sys.executable, "-c", "import time; time.sleep(60)"], {})
+    failer = ctx.start("worker 1", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
     assert ctx.wait([sleeper, failer], []) == 7
     assert sleeper.returncode is not None
     assert "worker 1 exited with status 7" in err.getvalue() and "    bye" in err.getvalue()
