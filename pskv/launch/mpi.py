@@ -1,31 +1,36 @@
-"""``pskv launch --launcher mpi``: servers and workers as the two app contexts of one ``mpirun``.
+"""``pskv launch --launcher mpi``: servers and workers as the app contexts of one ``mpirun``.
 
-The scheduler runs here. One MPMD command starts the rest::
+The scheduler runs here. One MPMD command starts the rest, servers first::
 
-    mpirun [--launcher-args] --hostfile H -np S -x DMLC_ROLE=server -x ... \\
-        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK --prefix 'server {rank}' \\
+    mpirun [--launcher-args] -np S -x DMLC_ROLE=server -x ... \\
+        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK --prefix 'server {rank}' \\
         -- python3 -m pskv serve \\
       : -np W -x DMLC_ROLE=worker -x ... \\
-        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK --rank-offset S \\
-        --prefix 'worker {rank}' -- COMMAND
+        python3 -m pskv.launch.guard --rank-from ... --rank-offset S --prefix 'worker {rank}' -- COMMAND
 
 MPI numbers the processes through the contexts in order, so the guard turns the world rank into
 ``DMLC_SERVER_ID`` / ``DMLC_WORKER_ID``; it also prefixes every line (mpirun merges everyone's
-output). Open MPI takes ``-x NAME=VALUE`` and ``--hostfile`` (lines ``host slots=N``); MPICH's
-hydra (``mpirun --version`` says HYDRA) takes ``-env NAME VALUE`` and ``-f`` (lines ``host:N``);
-the hostfile is rewritten in the flavour's format. When a process fails, mpirun stops the
-others and exits with its status; the launcher then stops the scheduler.
+output). With ``-H`` the launcher places each process itself, round robin over the hostfile as
+the ssh launcher does (:func:`~pskv.launch.hosts.place`; ``slots=N`` is a weight), more
+processes than slots included. Open MPI (``-x NAME=VALUE``) gets one context per run of
+consecutive processes on one host: ``mpirun --oversubscribe -np 1 --host a ... : -np 1 --host b
+... : ...``. MPICH's hydra (``mpirun --version`` says HYDRA; ``-env NAME VALUE``) gets the two
+contexts and ``-f`` a hostfile that lists the hosts in rank order (``a:1``, ``b:1``, ...):
+hydra starts rank r on its r-th entry. Without ``-H`` mpirun decides (this machine, or the
+resource manager's allocation). When a process fails, mpirun stops the others and exits with
+its status; the launcher then stops the scheduler.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from typing import Optional
 
 from ..errors import LaunchError
 from .guard import guard_argv
-from .hosts import scheduler_address
+from .hosts import place, scheduler_address
 from .job import Backend, Planned, require_tool, run_quiet
 from .spec import JobSpec
 
@@ -53,22 +58,31 @@ class Mpi(Backend):
         self.title = f"pskv launch --launcher mpi ({self.flavor})"
         self.hostfile: Optional[str] = None
 
+    def runs(self, role: str) -> list[tuple[Optional[str], int]]:
+        """The role's processes in rank order as (host, count) runs of consecutive processes on
+        one host: the placement, or one run without a host when mpirun decides."""
+        n = self.spec.count(role)
+        if not self.spec.hosts:
+            return [(None, n)] if n else []
+        return [(name, len(list(group))) for name, group in itertools.groupby(h.name for h in place(n, self.spec.hosts))]
+
     def hostfile_text(self) -> str:
-        """The hostfile in the flavour's format."""
-        if self.flavor == "mpich":
-            return "".join(f"{h.name}:{h.slots}\n" for h in self.spec.hosts)
-        return "".join(f"{h.name} slots={h.slots}\n" for h in self.spec.hosts)
+        """MPICH's hostfile: every process's host in rank order (servers, then workers)."""
+        return "".join(f"{host}:{n}\n" for role in self.spec.roles() for host, n in self.runs(role))
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec, mpich = self.spec, self.flavor == "mpich"
         assert self.address is not None
-        argv = [self.mpirun, *spec.launcher_args]
-        if spec.hosts:
+        argv = [self.mpirun]
+        if spec.hosts and not mpich:
+            argv.append("--oversubscribe")  # the placement below is the launcher's; slots are weights
+        argv += spec.launcher_args
+        if spec.hosts and mpich:
             if self.hostfile is None:
                 fd, self.hostfile = tempfile.mkstemp(prefix="pskv-mpi-", suffix=".hosts")
                 with os.fdopen(fd, "w") as f:
                     f.write(self.hostfile_text())
-            argv += ["-f" if mpich else "--hostfile", self.hostfile]
+            argv += ["-f", self.hostfile]
         if spec.sync_dst_dir:
             argv += ["-wdir" if mpich else "--wdir", spec.sync_dst_dir]
         contexts: list[list[str]] = []
@@ -77,8 +91,10 @@ class Mpi(Backend):
             env = spec.process_env(role, self.address, port).items()
             env_args = [a for k, v in env for a in (["-env", k, v] if mpich else ["-x", f"{k}={v}"])]
             guard = guard_argv(spec.python, rank_from=RANK_VARS, rank_offset=offset, prefix=f"{role} {{rank}}")
-            count = ["-n" if mpich else "-np", str(spec.count(role))]
-            contexts.append([*count, *env_args, *guard, "--", *spec.argv(role)])
+            for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
+                where = ["--host", host] if host else []
+                count = ["-n", str(n)] if mpich else ["-np", str(n)]
+                contexts.append([*count, *where, *env_args, *guard, "--", *spec.argv(role)])
             offset += spec.count(role)
         for i, context in enumerate(contexts):
             argv += [":", *context] if i else context

@@ -282,23 +282,36 @@ def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pyte
     assert code == 0
     name, _, line = next(line for line in out.splitlines() if "pskv.launch.guard" in line).partition(": ")
     argv = shlex.split(line)
-    assert name == "mpirun"
-    assert argv[1:3] == ["--bind-to", "none"]
-    assert argv[3:5] == (["--hostfile"] if flavor == "openmpi" else ["-f"]) + argv[4:5]
-    want_hosts = "n1 slots=4\nn2 slots=1\n" if flavor == "openmpi" else "n1:4\nn2:1\n"
-    assert want_hosts in out
+    assert name == "mpirun" and argv[0].endswith("/bin/mpirun")
+    # servers 0, 1 and workers 0, 1, 2 placed round robin over the hostfile's cycle n1, n2, n1, n1, n1
+    # (n1 has 4 slots), as the ssh launcher places them
+    placement = [("server", "n1"), ("server", "n2"), ("worker", "n1"), ("worker", "n2"), ("worker", "n1")]
+    if flavor == "openmpi":
+        # one app context per process (runs on one host would share one), each with its --host;
+        # the launcher places them all, so more processes than slots are fine
+        assert argv[1:4] == ["--oversubscribe", "--bind-to", "none"]
+        first = 4
+        want = [(role, ["-np", "1", "--host", host]) for role, host in placement]
+    else:
+        # MPICH's hydra: rank r runs on the r-th entry of the hostfile, which lists the placement in rank order
+        assert argv[1:4] == ["--bind-to", "none", "-f"]
+        hostfile = argv[4]
+        assert f"hostfile {hostfile}:\nn1:1\nn2:1\nn1:1\nn2:1\nn1:1\n" in out
+        assert not Path(hostfile).exists()  # a dry run leaves nothing behind
+        first = 5
+        want = [("server", ["-n", "2"]), ("worker", ["-n", "3"])]
     contexts: list[list[str]] = [[]]
-    for a in argv[5:]:
+    for a in argv[first:]:
         if a == ":":
             contexts.append([])
         else:
             contexts[-1].append(a)
-    assert len(contexts) == 2
+    assert len(contexts) == len(want)
     envs = {}
-    for ctx, role, n, offset in ((contexts[0], "server", "2", None), (contexts[1], "worker", "3", "2")):
-        assert ctx[:2] == (["-np", n] if flavor == "openmpi" else ["-n", n])
+    for ctx, (role, head) in zip(contexts, want):
+        assert ctx[: len(head)] == head
         env = {}
-        i = 2
+        i = len(head)
         while ctx[i] in ("-x", "-env"):
             if ctx[i] == "-x":
                 k, _, v = ctx[i + 1].partition("=")
@@ -307,16 +320,28 @@ def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pyte
                 k, v = ctx[i + 1], ctx[i + 2]
                 i += 3
             env[k] = v
-        envs[f"{role} 0"] = env
+        assert envs.setdefault(f"{role} 0", env) == env  # every context of a role has the same variables
         guard = ctx[i : ctx.index("--")]
         assert guard[:3] == ["python3", "-m", "pskv.launch.guard"]
         assert guard[guard.index("--rank-from") + 1] == "OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK"
-        assert ("--rank-offset" in guard) == (offset is not None)
-        if offset:
-            assert guard[guard.index("--rank-offset") + 1] == offset
+        # MPI numbers the processes through the contexts in order: workers start after the 2 servers
+        assert ("--rank-offset" in guard) == (role == "worker")
+        if role == "worker":
+            assert guard[guard.index("--rank-offset") + 1] == "2"
         assert guard[guard.index("--prefix") + 1] == f"{role} {{rank}}"
+        assert ctx[ctx.index("--") + 1 :] == (["python3", "-m", "pskv", "serve"] if role == "server" else ["python3", "train.py"])
     _check_roles(envs)
     assert "DMLC_WORKER_ID" not in envs["worker 0"]  # the guard sets it from the MPI rank
+
+
+def test_mpi_without_hostfile_leaves_placement_to_mpirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _tool(tmp_path / "bin", "mpirun", "echo 'mpirun (Open MPI) 4.1.4'\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    code, out, _ = _cli(["launch", "--launcher", "mpi", "-n", "3", "-s", "2", "--dry-run", "--", "python3", "t.py"], capsys)
+    assert code == 0
+    argv = shlex.split(next(line for line in out.splitlines() if line.startswith("mpirun: ")).partition(": ")[2])
+    assert "--oversubscribe" not in argv and "--host" not in argv and "--hostfile" not in argv
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-np"] == ["2", "3"] and argv.count(":") == 1
 
 
 def test_slurm_dry_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
