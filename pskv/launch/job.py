@@ -73,11 +73,11 @@ class Backend:
     address: Optional[str] = None  # the scheduler runs here, bound to this; None: it runs elsewhere
     guarded = True  # the scheduler runs under pskv.launch.guard --watch-stdin
     scheduler_show = "prefix"
-    scheduler_env: dict[str, str] = {}  # noqa: RUF012 (never changed; a backend replaces it)
     slack = 0.0  # seconds added to --timeout (time in a queue)
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
+        self.scheduler_env: dict[str, str] = {}  # extra variables for the scheduler
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         """The processes to start here, once the scheduler listens on ``port``."""

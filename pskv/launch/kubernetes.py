@@ -56,8 +56,10 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
 
     def job(role: str, count: int, container: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {"completions": count, "parallelism": count, "backoffLimit": 0}
-        body.update({"completionMode": "Indexed"} if role != "scheduler" else {})
-        body.update({"activeDeadlineSeconds": int(spec.timeout)} if spec.timeout is not None else {})
+        if role != "scheduler":
+            body["completionMode"] = "Indexed"  # JOB_COMPLETION_INDEX: the rank
+        if spec.timeout is not None:
+            body["activeDeadlineSeconds"] = int(spec.timeout)
         pod = {"restartPolicy": "Never", "containers": [{"name": role, "image": spec.image, **container}]}
         body["template"] = {"metadata": {"labels": {**labels, "pskv/role": role}}, "spec": pod}
         meta = {"name": f"{name}-{role}", "labels": {**labels, "pskv/role": role}}
@@ -83,7 +85,7 @@ class Kubernetes(Backend):
     def __init__(self, spec: JobSpec):
         super().__init__(spec)
         document = {"apiVersion": "v1", "kind": "List", "items": manifests(spec)}
-        self.count = len(document["items"])
+        self.objects = len(document["items"])
         self.text = json.dumps(document, indent=2) + "\n"
         self.title = f"Kubernetes objects of job {spec.name} (kubectl apply -f -)"
         self.kubectl = "kubectl"
@@ -100,7 +102,7 @@ class Kubernetes(Backend):
         if spec.output:
             with open(spec.output, "w") as f:
                 f.write(self.text)
-            ctx.report(f"wrote {self.count} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
+            ctx.report(f"wrote {self.objects} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
             return [], []
         res = run_quiet([self.kubectl, "apply", "-f", "-", *spec.launcher_args], timeout=300, input=self.text)
         sys.stdout.write(res.stdout)

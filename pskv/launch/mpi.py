@@ -41,7 +41,9 @@ def mpi_flavor(mpirun: str) -> str:
     """``"openmpi"`` or ``"mpich"`` (hydra: MPICH, Intel MPI, MVAPICH), from ``mpirun --version``."""
     res = run_quiet([mpirun, "--version"], timeout=60)
     text = res.stdout + res.stderr
-    if "Open MPI" not in text and "OpenRTE" not in text and any(s in text.upper() for s in ("HYDRA", "MPICH", "INTEL(R) MPI")):
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text.upper() or "MPICH" in text.upper() or "Intel(R) MPI" in text:
         return "mpich"
     return "openmpi"
 
@@ -63,7 +65,7 @@ class Mpi(Backend):
         one host: the placement, or one run without a host when mpirun decides."""
         n = self.spec.count(role)
         if not self.spec.hosts:
-            return [(None, n)] if n else []
+            return [(None, n)]
         return [(name, len(list(group))) for name, group in itertools.groupby(h.name for h in place(n, self.spec.hosts))]
 
     def hostfile_text(self) -> str:

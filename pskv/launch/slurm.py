@@ -42,8 +42,11 @@ def allocation_nodes(environ: Mapping[str, str]) -> list[str]:
     if not re.search(r"[\[\]]", nodelist):
         return [n for n in nodelist.split(",") if n]
     scontrol = shutil.which("scontrol")
-    res = run_quiet([scontrol, "show", "hostnames", nodelist], timeout=30) if scontrol else None
-    return res.stdout.split() if res is not None and res.returncode == 0 else []
+    if scontrol:
+        res = run_quiet([scontrol, "show", "hostnames", nodelist], timeout=30)
+        if res.returncode == 0:
+            return res.stdout.split()
+    return []
 
 
 class Srun(Backend):
@@ -111,7 +114,8 @@ class Sbatch(Backend):
         self.spool.start()
         deadline = time.monotonic() + 60
         while not self.job_id and proc.returncode is None and time.monotonic() < deadline:
-            self.job_id = next((f for f in (line.split(";")[0].strip() for line in proc.tail) if f.isdigit()), "")
+            ids = [line.split(";")[0].strip() for line in proc.tail]  # --parsable: "JOBID[;CLUSTER]"
+            self.job_id = next((i for i in ids if i.isdigit()), "")
             time.sleep(0.05)
         if self.job_id:
             ctx.report(f"submitted Slurm job {self.job_id} ({self.spec.num_servers} server(s), {self.spec.num_workers} worker(s)); its output follows")

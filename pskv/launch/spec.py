@@ -104,10 +104,10 @@ class JobSpec:
         rank variable); ``port`` None leaves ``DMLC_PS_ROOT_PORT`` out (no scheduler, ``-s 0``).
         Workers also get ``torch`` (``LOCAL_RANK``, ``MASTER_ADDR``, ... where known) and, with
         ``workers_here`` workers sharing this machine, ``OMP_NUM_THREADS`` = cores / that,
-        unless set. ``--env-ROLE`` comes last, so it wins.
+        unless set. ``--env-ROLE`` comes last, so it wins. ::
 
-        >>> spec.process_env("worker", "10.0.0.5", 9000, rank=2)["DMLC_WORKER_ID"]
-        '2'
+            env = spec.process_env("worker", "10.0.0.5", 9000, rank=2)  # DMLC_WORKER_ID=2, RANK=2, ...
+            env = spec.process_env("server", address, port, base=os.environ)  # a server started here
         """
         env = forwarded_env(self.environ) if base is None else dict(base)
         env.update(self.env)

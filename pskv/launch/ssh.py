@@ -107,20 +107,20 @@ def rsync_argv(spec: JobSpec, host: Host, dst: str) -> list[str]:
     return ["rsync", "-a", "--mkpath", "-e", shlex.join(ssh_argv(spec, host)), "./", f"{name}:{dst.rstrip('/')}/"]
 
 
-def sync(spec: JobSpec, dests: dict[Host, Destination], dst: str) -> None:
-    """Check every host, then copy the working directory to ``dst`` on each distinct destination."""
-    if shutil.which("rsync") is None:
-        raise LaunchError("--sync-dst-dir needs rsync here, and it is not on PATH")
-    on_each(list(dests), lambda h: ssh_argv(spec, h, "true"), "cannot reach", timeout=60)
-    on_each(distinct(dests), lambda h: rsync_argv(spec, h, dst), f"could not copy {os.getcwd()} to {dst} on", timeout=3600)
-
-
 def distinct(dests: dict[Host, Destination]) -> list[Host]:
     """The first host name of each destination."""
     first: dict[Destination, Host] = {}
     for h, d in dests.items():
         first.setdefault(d, h)
     return list(first.values())
+
+
+def sync(spec: JobSpec, dests: dict[Host, Destination], dst: str) -> None:
+    """Check every host, then copy the working directory to ``dst`` on each distinct destination."""
+    if shutil.which("rsync") is None:
+        raise LaunchError("--sync-dst-dir needs rsync here, and it is not on PATH")
+    on_each(list(dests), lambda h: ssh_argv(spec, h, "true"), "cannot reach", timeout=60)
+    on_each(distinct(dests), lambda h: rsync_argv(spec, h, dst), f"could not copy {os.getcwd()} to {dst} on", timeout=3600)
 
 
 class Ssh(Backend):
@@ -163,15 +163,14 @@ class Ssh(Backend):
         for role, hosts in (("server", place(spec.num_servers, spec.hosts)), ("worker", workers)):
             for rank, h in enumerate(hosts):
                 dest = self.dests[h]
-                n, torch = 0, {}
-                if role == "worker":
-                    n = per_dest[dest]
-                    torch = {"LOCAL_RANK": str(local_rank[rank]), "LOCAL_WORLD_SIZE": str(n), **master}
+                n = per_dest[dest] if role == "worker" else 0  # workers on this machine
+                torch = {"LOCAL_RANK": str(local_rank[rank]), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
                 env = spec.process_env(role, self.address, port, rank, torch=torch)
                 guard = guard_argv(spec.python, watch_stdin=True, workers_here=n, grace=REMOTE_GRACE)
                 remote = shell_command([*guard, "--", *spec.argv(role)], env, self.cwd)
-                started[dest] = started.get(dest, 0) + 1
-                delay = STARTUP_PAUSE if started[dest] > 1 and (started[dest] - 1) % STARTUP_WAVE == 0 else 0.0
+                wave = started.get(dest, 0)  # clients started to this machine so far
+                started[dest] = wave + 1
+                delay = STARTUP_PAUSE if wave and wave % STARTUP_WAVE == 0 else 0.0
                 out.append(Planned(f"{role} {rank}@{h}", ssh_argv(spec, h, remote), main=role == "worker", stdin="pipe", delay=delay))
         return out
 
