@@ -1,8 +1,9 @@
 """``pskv launch``: start a job's scheduler, servers and workers.
 
-The options are defined here (:func:`add_parser`) and :func:`run` dispatches to the launcher
-module named by ``--launcher``: ``local`` (this machine), ``ssh``, ``mpi``, ``slurm``, ``sge``,
-``yarn`` and ``kubernetes``. docs/launchers/ has one page per launcher.
+The options are defined here (:func:`add_parser`); :func:`run` hands the job to
+:func:`~pskv.launch.job.run_job` with the backend of the module named by ``--launcher``:
+``local`` (this machine), ``ssh``, ``mpi``, ``slurm``, ``sge``, ``yarn`` and ``kubernetes``.
+docs/launchers/ has one page per launcher.
 """
 
 from __future__ import annotations
@@ -11,44 +12,16 @@ import argparse
 import os
 import shlex
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LaunchError
 
 if TYPE_CHECKING:
-    from .common import JobSpec
+    from .spec import JobSpec
 
 LAUNCHERS = ("local", "ssh", "mpi", "slurm", "sge", "yarn", "kubernetes")
-
-#: option (argparse dest) -> the launchers that use it; giving it to another one is an error
-_OPTION_USERS = {
-    "hostfile": ("ssh", "mpi", "slurm"),
-    "sync_dst_dir": ("ssh", "mpi"),
-    "python": ("ssh", "mpi", "slurm", "sge", "yarn", "kubernetes"),
-    "ssh_command": ("ssh", "mpi"),
-    "launcher_args": ("mpi", "slurm", "sge", "yarn", "kubernetes"),
-    "job_name": ("slurm", "sge", "yarn", "kubernetes"),
-    "image": ("yarn", "kubernetes"),
-    "port": ("yarn", "kubernetes"),
-    "cpus": ("yarn", "kubernetes"),
-    "memory": ("yarn", "kubernetes"),
-    "output": ("yarn", "kubernetes"),
-    "dry_run": ("ssh", "mpi", "slurm", "sge", "yarn", "kubernetes"),
-}
-_FLAGS = {
-    "hostfile": "-H/--hostfile",
-    "sync_dst_dir": "--sync-dst-dir",
-    "python": "--python",
-    "ssh_command": "--ssh-command",
-    "launcher_args": "--launcher-args",
-    "job_name": "--job-name",
-    "image": "--image",
-    "port": "--port",
-    "cpus": "--cpus",
-    "memory": "--memory",
-    "output": "--output",
-    "dry_run": "--dry-run",
-}
+#: option (argparse dest) -> its flags and the launchers that use it; giving it to another is an error
+_USED_BY: dict[str, tuple[str, tuple[str, ...]]] = {}
 
 
 def parse_env_specs(specs: Sequence[str]) -> dict[str, str]:
@@ -81,80 +54,53 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "  pskv launch -n 4 -s 2 --launcher kubernetes --image IMAGE --output job.yaml -- python3 train.py",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("-n", "--num-workers", type=int, required=True, help="number of workers")
-    p.add_argument("-s", "--num-servers", type=int, help="number of servers (default: as many as workers)")
-    p.add_argument("--launcher", default="local", choices=LAUNCHERS, help="how to start the processes (default: local)")
-    p.add_argument(
-        "-H",
-        "--hostfile",
-        help="hosts to run on (ssh, mpi; slurm: the nodes to ask for): lines 'host', 'host:port' "
-        "(ssh port), 'host slots=N' (weight in the round-robin placement); '#' comments",
-    )
-    p.add_argument(
-        "--sync-dst-dir",
-        metavar="DIR",
-        help="ssh, mpi: copy the working directory to DIR on every host with rsync first, and run from there",
-    )
-    p.add_argument("--env", action="append", default=[], metavar="NAME[:VALUE]", help="environment for every process")
-    p.add_argument("--env-server", action="append", default=[], metavar="NAME[:VALUE]", help="environment for servers only")
-    p.add_argument("--env-worker", action="append", default=[], metavar="NAME[:VALUE]", help="environment for workers only")
-    p.add_argument("--timeout", type=float, help="stop the job after this many seconds")
-    p.add_argument(
-        "--python",
-        help="the Python interpreter on the cluster's hosts, which must import pskv (default: python3; "
-        "the local launcher always uses the one running pskv)",
-    )
-    p.add_argument(
-        "--ssh-command",
-        help="ssh client command, e.g. 'ssh -F ~/.ssh/cluster_config' (default: $PSKV_SSH, else ssh); "
-        "-o BatchMode=yes -o ConnectTimeout=10 -T are always added",
-    )
-    p.add_argument(
-        "--launcher-args",
-        metavar="ARGS",
-        help="extra arguments for the cluster tool, split like a shell: mpirun; srun (inside an allocation) "
-        "or sbatch; qsub; yarn app -launch; kubectl apply. Write --launcher-args='--overcommit' (with =) "
-        "when they start with a dash",
-    )
-    p.add_argument(
-        "--job-name",
-        metavar="NAME",
-        help="name of the cluster job (sbatch -J, qsub -N, YARN service, Kubernetes objects; default: pskv-<random>)",
-    )
-    p.add_argument("--image", help="kubernetes (required), yarn (optional): the container image, with python and pskv")
-    p.add_argument(
-        "--port",
-        type=int,
-        help="kubernetes, yarn: the scheduler's port, where it is addressed by name (default: 9091)",
-    )
-    p.add_argument("--cpus", type=float, help="kubernetes, yarn: CPUs for each server and worker")
-    p.add_argument("--memory", type=int, metavar="MB", help="kubernetes, yarn: memory in MiB for each server and worker")
-    p.add_argument(
-        "--output",
-        metavar="FILE",
-        help="kubernetes, yarn: write the manifests (JSON, or YAML for .yaml/.yml) / service spec to FILE "
-        "instead of submitting them",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print what would run (commands, scripts, manifests) and start nothing",
-    )
+
+    def option(*flags: str, used_by: Sequence[str] = LAUNCHERS, **kw: Any) -> None:
+        action = p.add_argument(*flags, **kw)
+        if used_by != LAUNCHERS:
+            _USED_BY[action.dest] = ("/".join(action.option_strings), tuple(used_by))
+
+    cluster, yarn_k8s = LAUNCHERS[1:], ("yarn", "kubernetes")
+    option("-n", "--num-workers", type=int, required=True, help="number of workers")
+    option("-s", "--num-servers", type=int, help="number of servers (default: as many as workers)")
+    option("--launcher", default="local", choices=LAUNCHERS, help="how to start the processes (default: local)")
+    option("-H", "--hostfile", used_by=("ssh", "mpi", "slurm"), help="hosts to run on (ssh, mpi; slurm: the nodes to ask "
+           "for): lines 'host', 'host:port' (ssh port), 'host slots=N' (weight in the round-robin placement); '#' comments")  # fmt: skip
+    option("--sync-dst-dir", used_by=("ssh", "mpi"), metavar="DIR",
+           help="ssh, mpi: copy the working directory to DIR on every host with rsync first, and run from there")  # fmt: skip
+    option("--env", action="append", default=[], metavar="NAME[:VALUE]", help="environment for every process")
+    option("--env-server", action="append", default=[], metavar="NAME[:VALUE]", help="environment for servers only")
+    option("--env-worker", action="append", default=[], metavar="NAME[:VALUE]", help="environment for workers only")
+    option("--timeout", type=float, help="stop the job after this many seconds")
+    option("--python", used_by=cluster, help="the Python interpreter on the cluster's hosts, which must import pskv "
+           "(default: python3; the local launcher always uses the one running pskv)")  # fmt: skip
+    option("--ssh-command", used_by=("ssh", "mpi"), help="ssh client command, e.g. 'ssh -F ~/.ssh/cluster_config' "
+           "(default: $PSKV_SSH, else ssh); -o BatchMode=yes -o ConnectTimeout=10 -T are always added")  # fmt: skip
+    option("--launcher-args", used_by=cluster[1:], metavar="ARGS", help="extra arguments for the cluster tool, split "
+           "like a shell: mpirun; srun (inside an allocation) or sbatch; qsub; yarn app -launch; kubectl apply. "
+           "Write --launcher-args='--overcommit' (with =) when they start with a dash")  # fmt: skip
+    option("--job-name", used_by=cluster[2:], metavar="NAME", help="name of the cluster job (sbatch -J, qsub -N, "
+           "YARN service, Kubernetes objects; default: pskv-<random>)")  # fmt: skip
+    option("--image", used_by=yarn_k8s, help="kubernetes (required), yarn (optional): the container image, with python and pskv")
+    option("--port", used_by=yarn_k8s, type=int, help="kubernetes, yarn: the scheduler's port, where it is addressed by name (default: 9091)")
+    option("--cpus", used_by=yarn_k8s, type=float, help="kubernetes, yarn: CPUs for each server and worker")
+    option("--memory", used_by=yarn_k8s, type=int, metavar="MB", help="kubernetes, yarn: memory in MiB for each server and worker")
+    option("--output", used_by=yarn_k8s, metavar="FILE", help="kubernetes, yarn: write the manifests (JSON, which is "
+           "YAML too) / service spec to FILE instead of submitting them")  # fmt: skip
+    option("--dry-run", used_by=cluster, action="store_true", help="print what would run (commands, scripts, manifests) and start nothing")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the workers' command (after --)")
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    for dest, users in _OPTION_USERS.items():
-        value = getattr(args, dest, None)
-        if value not in (None, False, "") and args.launcher not in users:
-            raise LaunchError(
-                f"{_FLAGS[dest]} is not used by the {args.launcher} launcher (it is for: {', '.join(users)})"
-            )
+    for dest, (flags, users) in _USED_BY.items():
+        if getattr(args, dest, None) not in (None, False, "") and args.launcher not in users:
+            raise LaunchError(f"{flags} is not used by the {args.launcher} launcher (it is for: {', '.join(users)})")
 
 
 def job_spec(args: argparse.Namespace) -> JobSpec:
-    """The :class:`~pskv.launch.common.JobSpec` of parsed ``pskv launch`` options."""
-    from .common import DEFAULT_PORT, JobSpec, read_hostfile
+    """The :class:`~pskv.launch.spec.JobSpec` of parsed ``pskv launch`` options."""
+    from .hosts import read_hostfile
+    from .spec import DEFAULT_PORT, JobSpec
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -191,44 +137,11 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``pskv launch`` with parsed ``args``; the exit status."""
+    """Run ``pskv launch`` with parsed ``args``; the exit status. Blocks until the job ends."""
+    import importlib
+
+    from .job import run_job
+
     _check_options(args)
-    if args.launcher == "local":
-        from .local import launch_local
-
-        command = list(args.command)
-        if command and command[0] == "--":
-            command = command[1:]
-        servers = args.num_workers if args.num_servers is None else args.num_servers
-        return launch_local(
-            args.num_workers,
-            servers,
-            command,
-            extra_env=parse_env_specs(args.env),
-            role_extra={"server": parse_env_specs(args.env_server), "worker": parse_env_specs(args.env_worker)},
-            timeout=args.timeout,
-        )
     spec = job_spec(args)
-    if args.launcher == "ssh":
-        from .ssh import launch_ssh
-
-        return launch_ssh(spec)
-    if args.launcher == "mpi":
-        from .mpi import launch_mpi
-
-        return launch_mpi(spec)
-    if args.launcher == "slurm":
-        from .slurm import launch_slurm
-
-        return launch_slurm(spec)
-    if args.launcher == "sge":
-        from .sge import launch_sge
-
-        return launch_sge(spec)
-    if args.launcher == "yarn":
-        from .yarn import launch_yarn
-
-        return launch_yarn(spec)
-    from .kubernetes import launch_kubernetes
-
-    return launch_kubernetes(spec)
+    return run_job(spec, importlib.import_module(f"{__name__}.{args.launcher}").backend(spec))

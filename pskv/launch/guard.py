@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -47,7 +48,9 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import IO, Optional
+from typing import Optional
+
+from .lines import pump
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -157,27 +160,11 @@ class Guard:
         with self._write_lock, contextlib.suppress(OSError):
             os.write(2, line.encode(errors="replace"))
 
-    def _pump(self, pipe: IO[bytes], fd: int) -> None:
-        assert self.prefix is not None
-        tag = self.prefix.encode()
-        pending = b""
-        while True:
-            try:
-                chunk = os.read(pipe.fileno(), 65536)
-            except OSError:
-                chunk = b""
-            if chunk:
-                pending += chunk
-                *lines, pending = pending.split(b"\n")
-                out = [tag + line + b"\n" for line in lines]
-            else:
-                out = [tag + pending + b"\n"] if pending else []
-            for line in out:
-                with self._write_lock, contextlib.suppress(OSError):
-                    os.write(fd, line)
-            if not chunk:
-                break
-        pipe.close()
+    def _write(self, fd: int, lines: list[bytes]) -> None:
+        tag = (self.prefix or "").encode()
+        for line in lines:
+            with self._write_lock, contextlib.suppress(OSError):
+                os.write(fd, tag + line)
 
     # -- stopping --------------------------------------------------------------------------------
 
@@ -264,7 +251,7 @@ class Guard:
         if self.prefix:
             assert self.popen.stdout is not None and self.popen.stderr is not None
             for pipe, fd in ((self.popen.stdout, 1), (self.popen.stderr, 2)):
-                t = threading.Thread(target=self._pump, args=(pipe, fd), daemon=True)
+                t = threading.Thread(target=pump, args=(pipe, functools.partial(self._write, fd)), daemon=True)
                 t.start()
                 pumps.append(t)
         if watch_stdin:
@@ -292,6 +279,28 @@ class Guard:
         if path:
             with contextlib.suppress(OSError), open(path, "w") as f:
                 f.write(f"{status}\n")
+
+
+def guard_argv(
+    python: str,
+    *,
+    rank_from: Sequence[str] = (),
+    rank_offset: int = 0,
+    prefix: Optional[str] = None,
+    watch_stdin: bool = False,
+    workers_here: int = 0,
+    status_dir: Optional[str] = None,
+    grace: Optional[float] = None,
+) -> list[str]:
+    """``python -m pskv.launch.guard [options]``, for a launcher (the command and its ``--`` follow)."""
+    argv = [python, "-m", "pskv.launch.guard"]
+    argv += ["--rank-from", ",".join(rank_from)] if rank_from else []
+    argv += ["--rank-offset", str(rank_offset)] if rank_offset else []
+    argv += ["--prefix", prefix] if prefix else []
+    argv += ["--watch-stdin"] if watch_stdin else []
+    argv += ["--workers-here", str(workers_here)] if workers_here else []
+    argv += ["--status-dir", status_dir] if status_dir else []
+    return argv + (["--grace", f"{grace:g}"] if grace is not None else [])
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:

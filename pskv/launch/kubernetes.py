@@ -1,22 +1,16 @@
 """``pskv launch --launcher kubernetes``: manifests for the job, written to a file or applied.
 
-Objects (``NAME`` is ``--job-name``; all labelled ``pskv/job: NAME`` and ``pskv/role: ROLE``):
+Objects (all labelled ``pskv/job: NAME``, ``pskv/role: ROLE``; NAME is ``--job-name``):
+``Service NAME-scheduler`` on ``--port`` (9091); ``Job NAME-scheduler``, one pod running
+``python3 -m pskv serve`` bound to its pod IP; ``Job NAME-server`` and ``Job NAME-worker``,
+Indexed Jobs of S and W pods running ``python3 -m pskv.launch.guard --rank-from
+JOB_COMPLETION_INDEX -- python3 -m pskv serve`` (or ``-- COMMAND``), with
+``DMLC_PS_ROOT_URI=NAME-scheduler`` and ``DMLC_NODE_HOST`` = the pod's IP. Pods are never
+restarted and Jobs have ``backoffLimit: 0``; ``--timeout`` is ``activeDeadlineSeconds``.
 
-* ``Service NAME-scheduler``: the scheduler's stable address, port ``--port`` (9091);
-* ``Job NAME-scheduler``: one pod, ``python3 -m pskv serve``, bound to its own pod IP
-  (``DMLC_PS_ROOT_URI`` from the downward API ``status.podIP``);
-* ``Job NAME-server`` and ``Job NAME-worker``: Indexed Jobs of S and W pods running
-  ``python3 -m pskv.launch.guard --rank-from JOB_COMPLETION_INDEX -- COMMAND``, with
-  ``DMLC_PS_ROOT_URI=NAME-scheduler`` (the Service, same namespace) and ``DMLC_NODE_HOST`` = the
-  pod's IP, so servers and workers reach each other pod to pod.
-
-Every pod has ``restartPolicy: Never`` and every Job ``backoffLimit: 0``: a failed pod fails its
-Job, which stops the Job's other pods, and the rest of the job fails within
-``PSKV_HEARTBEAT_TIMEOUT``. ``--timeout`` becomes ``activeDeadlineSeconds``. The image
-(``--image``, required) must hold ``--python`` (default ``python3``) with pskv, and the program.
-
-``--output FILE`` writes them (JSON ``kind: List``; YAML documents for ``.yaml``/``.yml``);
-``--dry-run`` prints them; otherwise ``kubectl apply -f -`` applies them.
+``--output FILE`` writes them, ``--dry-run`` prints them, as one JSON ``kind: List`` (also for a
+``.yaml`` file: JSON is YAML, and ``kubectl apply -f job.yaml`` reads it); otherwise ``kubectl
+apply -f -`` applies them.
 """
 
 from __future__ import annotations
@@ -24,15 +18,18 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import subprocess
 import sys
 from typing import Any, Optional
 
 from ..errors import LaunchError
-from .common import JobSpec, base_env, guard_argv, print_plan, require_tool, role_env
+from .guard import guard_argv
+from .job import Backend, Done, require_tool, run_quiet
+from .process import ProcessContext, Watched
+from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+ONE_PER_POD = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
 def _env_list(env: dict[str, str], pod_ip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -52,167 +49,69 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
             "at most 52 characters here (the objects add '-scheduler')"
         )
     scheduler = f"{name}-scheduler"
-    base = base_env(spec, scheduler, spec.port)
+    labels = {"app.kubernetes.io/name": "pskv", "pskv/job": name}
+    requests = {"cpu": f"{spec.cpus:g}"} if spec.cpus is not None else {}
+    limits = {"memory": f"{spec.memory_mb}Mi"} if spec.memory_mb is not None else {}
+    resources = {"resources": {"requests": {**requests, **limits}, "limits": limits}} if requests or limits else {}
 
-    def labels(role: str) -> dict[str, str]:
-        return {"app.kubernetes.io/name": "pskv", "pskv/job": name, "pskv/role": role}
-
-    def resources() -> dict[str, Any]:
-        req: dict[str, str] = {}
-        if spec.cpus is not None:
-            req["cpu"] = f"{spec.cpus:g}"
-        if spec.memory_mb is not None:
-            req["memory"] = f"{spec.memory_mb}Mi"
-        return {"resources": {"requests": req, "limits": {"memory": req["memory"]} if "memory" in req else {}}} if req else {}
-
-    def job(role: str, count: int, container: dict[str, Any], indexed: bool) -> dict[str, Any]:
-        job_spec: dict[str, Any] = {"completions": count, "parallelism": count, "backoffLimit": 0}
-        if indexed:
-            job_spec["completionMode"] = "Indexed"
+    def job(role: str, count: int, container: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"completions": count, "parallelism": count, "backoffLimit": 0}
+        if role != "scheduler":
+            body["completionMode"] = "Indexed"  # JOB_COMPLETION_INDEX: the rank
         if spec.timeout is not None:
-            job_spec["activeDeadlineSeconds"] = int(spec.timeout)
-        job_spec["template"] = {
-            "metadata": {"labels": labels(role)},
-            "spec": {"restartPolicy": "Never", "containers": [container]},
-        }
-        return {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": f"{name}-{role}", "labels": labels(role)},
-            "spec": job_spec,
-        }
+            body["activeDeadlineSeconds"] = int(spec.timeout)
+        pod = {"restartPolicy": "Never", "containers": [{"name": role, "image": spec.image, **container}]}
+        body["template"] = {"metadata": {"labels": {**labels, "pskv/role": role}}, "spec": pod}
+        meta = {"name": f"{name}-{role}", "labels": {**labels, "pskv/role": role}}
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": body}
 
     items: list[dict[str, Any]] = []
     if spec.num_servers:
-        items.append(
-            {
-                "apiVersion": "v1",
-                "kind": "Service",
-                "metadata": {"name": scheduler, "labels": labels("scheduler")},
-                "spec": {
-                    "selector": {"pskv/job": name, "pskv/role": "scheduler"},
-                    "ports": [{"name": "scheduler", "port": spec.port, "targetPort": spec.port}],
-                },
-            }
-        )
-        env = role_env(spec, base, "scheduler")
-        container = {
-            "name": "scheduler",
-            "image": spec.image,
-            "command": spec.serve_argv(),
-            "env": _env_list(env, pod_ip=("DMLC_PS_ROOT_URI",)),
-            "ports": [{"containerPort": spec.port, "name": "scheduler"}],
-        }
-        items.append(job("scheduler", 1, container, indexed=False))
-    for role in ("server", "worker"):
-        n = spec.count(role)
-        if not n:
-            continue
-        env = role_env(spec, base, role)
-        if role == "worker":
-            env.update({"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
-        cmd = spec.serve_argv() if role == "server" else spec.worker_argv()
-        container = {
-            "name": role,
-            "image": spec.image,
-            "command": [*guard_argv(spec.python, rank_from=[RANK_VAR]), "--", *cmd],
-            "env": _env_list(env, pod_ip=("DMLC_NODE_HOST",)),
-            **resources(),
-        }
-        items.append(job(role, n, container, indexed=True))
+        ports = [{"name": "scheduler", "port": spec.port, "targetPort": spec.port}]
+        service = {"selector": {"pskv/job": name, "pskv/role": "scheduler"}, "ports": ports}
+        meta = {"name": scheduler, "labels": {**labels, "pskv/role": "scheduler"}}
+        items.append({"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": service})
+        env = _env_list(spec.process_env("scheduler", scheduler, spec.port), pod_ip=("DMLC_PS_ROOT_URI",))
+        port = [{"containerPort": spec.port, "name": "scheduler"}]
+        items.append(job("scheduler", 1, {"command": spec.argv("server"), "env": env, "ports": port}))
+    for role in spec.roles():
+        env = _env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), pod_ip=("DMLC_NODE_HOST",))
+        command = [*guard_argv(spec.python, rank_from=[RANK_VAR]), "--", *spec.argv(role)]
+        items.append(job(role, spec.count(role), {"command": command, "env": env, **resources}))
     return items
 
 
-# --------------------------------------------------------------------------------------------
-# YAML (block style; strings always double-quoted, which is JSON's syntax and valid YAML)
+class Kubernetes(Backend):
+    def __init__(self, spec: JobSpec):
+        super().__init__(spec)
+        document = {"apiVersion": "v1", "kind": "List", "items": manifests(spec)}
+        self.objects = len(document["items"])
+        self.text = json.dumps(document, indent=2) + "\n"
+        self.title = f"Kubernetes objects of job {spec.name} (kubectl apply -f -)"
+        self.kubectl = "kubectl"
 
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_./-]+")
+    def plan(self, port: Optional[int]) -> str:
+        return self.text
 
+    def prepare(self) -> None:
+        if not self.spec.output:
+            self.kubectl = require_tool("kubectl", "kubernetes", "pass --output FILE to write the manifests instead")
 
-def _scalar(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return json.dumps(value)
-    return json.dumps(str(value))
-
-
-def _key(key: str) -> str:
-    return key if _PLAIN_KEY.fullmatch(key) else json.dumps(key)
-
-
-def to_yaml(value: Any, indent: int = 0) -> str:
-    """``value`` (dicts, lists, scalars) as block-style YAML."""
-    pad = " " * indent
-    if isinstance(value, dict):
-        if not value:
-            return pad + "{}\n"
-        out = []
-        for k, v in value.items():
-            if isinstance(v, (dict, list)) and v:
-                out.append(f"{pad}{_key(k)}:\n{to_yaml(v, indent + 2)}")
-            else:
-                out.append(f"{pad}{_key(k)}: {_empty_or_scalar(v)}\n")
-        return "".join(out)
-    if isinstance(value, list):
-        if not value:
-            return pad + "[]\n"
-        out = []
-        for item in value:
-            if isinstance(item, (dict, list)) and item:
-                body = to_yaml(item, indent + 2)
-                out.append(f"{pad}- {body[indent + 2 :]}")
-            else:
-                out.append(f"{pad}- {_empty_or_scalar(item)}\n")
-        return "".join(out)
-    return pad + _scalar(value) + "\n"
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+        spec = self.spec
+        if spec.output:
+            with open(spec.output, "w") as f:
+                f.write(self.text)
+            ctx.report(f"wrote {self.objects} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
+            return [], []
+        res = run_quiet([self.kubectl, "apply", "-f", "-", *spec.launcher_args], timeout=300, input=self.text)
+        sys.stdout.write(res.stdout)
+        sys.stderr.write(res.stderr)
+        if res.returncode == 0:
+            logs = f"kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
+            ctx.report(f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service -l pskv/job={spec.name}`")
+        return [Done(shlex.join(["kubectl", "apply", "-f", "-", *spec.launcher_args]), res.returncode, res.stderr.splitlines()[-10:])], []
 
 
-def _empty_or_scalar(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{}"
-    if isinstance(value, list):
-        return "[]"
-    return _scalar(value)
-
-
-def render(items: list[dict[str, Any]], fmt: str) -> str:
-    if fmt == "yaml":
-        return "".join(f"---\n{to_yaml(item)}" for item in items)
-    return json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2) + "\n"
-
-
-def output_format(path: Optional[str]) -> str:
-    return "yaml" if path and path.lower().endswith((".yaml", ".yml")) else "json"
-
-
-def launch_kubernetes(spec: JobSpec) -> int:
-    """Write, print or apply the manifests; the exit status."""
-    items = manifests(spec)
-    follow = (
-        f"follow it with `kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}`; "
-        f"remove it with `kubectl delete job,service -l pskv/job={spec.name}`"
-    )
-    if spec.output:
-        with open(spec.output, "w") as f:
-            f.write(render(items, output_format(spec.output)))
-        print(f"pskv launch: wrote {len(items)} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`", file=sys.stderr)
-        return 0
-    if spec.dry_run:
-        print_plan(f"Kubernetes objects of job {spec.name} (kubectl apply -f -)", render(items, "yaml"))
-        return 0
-    kubectl = require_tool("kubectl", "kubernetes", "pass --output FILE to write the manifests instead")
-    argv = [kubectl, "apply", "-f", "-", *spec.launcher_args]
-    try:
-        res = subprocess.run(argv, input=render(items, "json"), capture_output=True, text=True, timeout=300)
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"`{shlex.join(argv)}` did not finish within 300 s") from None
-    sys.stdout.write(res.stdout)
-    sys.stderr.write(res.stderr)
-    if res.returncode == 0:
-        print(f"pskv launch: applied job {spec.name}; {follow}", file=sys.stderr)
-    else:
-        print(f"pskv launch: `{shlex.join(argv)}` failed with status {res.returncode}", file=sys.stderr)
-    return res.returncode
+def backend(spec: JobSpec) -> Backend:
+    return Kubernetes(spec)

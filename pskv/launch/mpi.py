@@ -1,46 +1,38 @@
-"""``pskv launch --launcher mpi``: servers and workers as the two app contexts of one ``mpirun``.
+"""``pskv launch --launcher mpi``: servers and workers as the app contexts of one ``mpirun``.
 
-The scheduler runs here. One MPMD command starts the rest::
+The scheduler runs here. One MPMD command starts the rest, servers first::
 
-    mpirun [--launcher-args] --hostfile H -np S -x DMLC_ROLE=server -x ... \\
-        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK --prefix 'server {rank}' \\
+    mpirun [--launcher-args] -np S -x DMLC_ROLE=server -x ... \\
+        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK --prefix 'server {rank}' \\
         -- python3 -m pskv serve \\
       : -np W -x DMLC_ROLE=worker -x ... \\
-        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK --rank-offset S \\
-        --prefix 'worker {rank}' -- COMMAND
+        python3 -m pskv.launch.guard --rank-from ... --rank-offset S --prefix 'worker {rank}' -- COMMAND
 
 MPI numbers the processes through the contexts in order, so the guard turns the world rank into
 ``DMLC_SERVER_ID`` / ``DMLC_WORKER_ID``; it also prefixes every line (mpirun merges everyone's
-output). Open MPI takes ``-x NAME=VALUE`` and ``--hostfile`` (lines ``host slots=N``); MPICH's
-hydra (``mpirun --version`` says HYDRA) takes ``-env NAME VALUE`` and ``-f`` (lines ``host:N``);
-the hostfile is rewritten in the flavour's format. When a process fails, mpirun stops the
-others and exits with its status; the launcher then stops the scheduler.
+output). With ``-H`` the launcher places each process itself, round robin over the hostfile as
+the ssh launcher does (:func:`~pskv.launch.hosts.place`; ``slots=N`` is a weight), more
+processes than slots included. Open MPI (``-x NAME=VALUE``) gets one context per run of
+consecutive processes on one host: ``mpirun --oversubscribe -np 1 --host a ... : -np 1 --host b
+... : ...``. MPICH's hydra (``mpirun --version`` says HYDRA; ``-env NAME VALUE``) gets the two
+contexts and ``-f`` a hostfile that lists the hosts in rank order (``a:1``, ``b:1``, ...):
+hydra starts rank r on its r-th entry. Without ``-H`` mpirun decides (this machine, or the
+resource manager's allocation). When a process fails, mpirun stops the others and exits with
+its status; the launcher then stops the scheduler.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
-import shlex
 import tempfile
-from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from ..errors import LaunchError
-from .common import (
-    Host,
-    JobSpec,
-    base_env,
-    finish_timeout,
-    guard_argv,
-    print_plan,
-    require_tool,
-    role_env,
-    run_quiet,
-    scheduler_address,
-    start_guarded_scheduler,
-    supervise,
-)
-from .process import ProcessContext
+from .guard import guard_argv
+from .hosts import place, scheduler_address
+from .job import Backend, Planned, require_tool, run_quiet
+from .spec import JobSpec
 
 RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
 
@@ -56,89 +48,76 @@ def mpi_flavor(mpirun: str) -> str:
     return "openmpi"
 
 
-def hostfile_text(hosts: Sequence[Host], flavor: str) -> str:
-    for h in hosts:
-        if h.port is not None:
-            raise LaunchError(
-                f"hostfile entry {h}: mpirun cannot take an ssh port per host; set it in ~/.ssh/config instead"
-            )
-    if flavor == "mpich":
-        return "".join(f"{h.name}:{h.slots}\n" for h in hosts)
-    return "".join(f"{h.name} slots={h.slots}\n" for h in hosts)
+class Mpi(Backend):
+    def __init__(self, spec: JobSpec):
+        super().__init__(spec)
+        self.mpirun = require_tool("mpirun", "mpi", "install Open MPI (openmpi-bin) or MPICH")
+        self.flavor = mpi_flavor(self.mpirun)
+        for h in spec.hosts:
+            if h.port is not None:
+                raise LaunchError(f"hostfile entry {h}: mpirun cannot take an ssh port per host; set it in ~/.ssh/config instead")
+        self.address = scheduler_address(spec.environ, [h.name.rpartition("@")[2] for h in spec.hosts])
+        self.title = f"pskv launch --launcher mpi ({self.flavor})"
+        self.hostfile: Optional[str] = None
 
+    def runs(self, role: str) -> list[tuple[Optional[str], int]]:
+        """The role's processes in rank order as (host, count) runs of consecutive processes on
+        one host: the placement, or one run without a host when mpirun decides."""
+        n = self.spec.count(role)
+        if not self.spec.hosts:
+            return [(None, n)]
+        return [(name, len(list(group))) for name, group in itertools.groupby(h.name for h in place(n, self.spec.hosts))]
 
-def _env_args(env: Mapping[str, str], flavor: str) -> list[str]:
-    out: list[str] = []
-    for k, v in env.items():
-        out += ["-env", k, v] if flavor == "mpich" else ["-x", f"{k}={v}"]
-    return out
+    def hostfile_text(self) -> str:
+        """MPICH's hostfile: every process's host in rank order (servers, then workers)."""
+        return "".join(f"{host}:{n}\n" for role in self.spec.roles() for host, n in self.runs(role))
 
-
-def mpirun_argv(
-    spec: JobSpec, mpirun: str, flavor: str, root_uri: str, port: Optional[int], hostfile: Optional[str]
-) -> list[str]:
-    """The whole MPMD command line."""
-    base = base_env(spec, root_uri, port)
-    argv = [mpirun, *spec.launcher_args]
-    if hostfile:
-        argv += ["-f", hostfile] if flavor == "mpich" else ["--hostfile", hostfile]
-    if spec.sync_dst_dir:
-        argv += ["-wdir", spec.sync_dst_dir] if flavor == "mpich" else ["--wdir", spec.sync_dst_dir]
-    contexts: list[list[str]] = []
-    offset = 0
-    for role in ("server", "worker"):
-        n = spec.count(role)
-        if not n:
-            continue
-        cmd = spec.serve_argv() if role == "server" else spec.worker_argv()
-        guard = guard_argv(spec.python, rank_from=RANK_VARS, rank_offset=offset, prefix=f"{role} {{rank}}")
-        np = ["-n", str(n)] if flavor == "mpich" else ["-np", str(n)]
-        contexts.append([*np, *_env_args(role_env(spec, base, role), flavor), *guard, "--", *cmd])
-        offset += n
-    for i, ctx_args in enumerate(contexts):
-        if i:
-            argv.append(":")
-        argv += ctx_args
-    return argv
-
-
-def launch_mpi(spec: JobSpec) -> int:
-    """Run the job with one mpirun; the exit status."""
-    mpirun = require_tool("mpirun", "mpi", "install Open MPI (openmpi-bin) or MPICH")
-    flavor = mpi_flavor(mpirun)
-    root_uri = scheduler_address(spec.environ, [h.name.rpartition("@")[2] for h in spec.hosts])
-    tmp = tempfile.mkdtemp(prefix="pskv-mpi-")
-    try:
-        hostfile = None
-        if spec.hosts:
-            hostfile = os.path.join(tmp, "hostfile")
-            with open(hostfile, "w") as f:
-                f.write(hostfile_text(spec.hosts, flavor))
-        if spec.dry_run:
-            port = 0 if spec.num_servers else None
-            lines = [f"scheduler here, bound to {root_uri} (its port replaces DMLC_PS_ROOT_PORT=0 below)"] if port == 0 else []
-            if hostfile:
-                lines.append(f"hostfile {hostfile}:\n{hostfile_text(spec.hosts, flavor)}")
-            lines.append(shlex.join(mpirun_argv(spec, mpirun, flavor, root_uri, port, hostfile)))
-            print_plan(f"pskv launch --launcher mpi ({flavor})", "\n".join(lines))
-            return 0
+    def processes(self, port: Optional[int]) -> list[Planned]:
+        spec, mpich = self.spec, self.flavor == "mpich"
+        assert self.address is not None
+        argv = [self.mpirun]
+        if spec.hosts and not mpich:
+            argv.append("--oversubscribe")  # the placement below is the launcher's; slots are weights
+        argv += spec.launcher_args
+        if spec.hosts and mpich:
+            if self.hostfile is None:
+                fd, self.hostfile = tempfile.mkstemp(prefix="pskv-mpi-", suffix=".hosts")
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.hostfile_text())
+            argv += ["-f", self.hostfile]
         if spec.sync_dst_dir:
-            if not spec.hosts:
+            argv += ["-wdir" if mpich else "--wdir", spec.sync_dst_dir]
+        contexts: list[list[str]] = []
+        offset = 0
+        for role in spec.roles():
+            env = spec.process_env(role, self.address, port).items()
+            env_args = [a for k, v in env for a in (["-env", k, v] if mpich else ["-x", f"{k}={v}"])]
+            guard = guard_argv(spec.python, rank_from=RANK_VARS, rank_offset=offset, prefix=f"{role} {{rank}}")
+            for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
+                where = ["--host", host] if host else []
+                count = ["-n", str(n)] if mpich else ["-np", str(n)]
+                contexts.append([*count, *where, *env_args, *guard, "--", *spec.argv(role)])
+            offset += spec.count(role)
+        for i, context in enumerate(contexts):
+            argv += [":", *context] if i else context
+        return [Planned("mpirun", argv, main=True, show="raw")]
+
+    def plan(self, port: Optional[int]) -> str:
+        text = super().plan(port)
+        return f"{text}\nhostfile {self.hostfile}:\n{self.hostfile_text()}" if self.hostfile else text
+
+    def prepare(self) -> None:
+        if self.spec.sync_dst_dir:
+            if not self.spec.hosts:
                 raise LaunchError("--sync-dst-dir with the mpi launcher needs the hosts: -H/--hostfile FILE")
-            from .ssh import check_hosts, destinations, sync
+            from .ssh import destinations, sync
 
-            check_hosts(spec, spec.hosts)
-            sync(spec, spec.hosts, destinations(spec, spec.hosts), spec.sync_dst_dir)
-        ctx = ProcessContext()
+            sync(self.spec, destinations(self.spec, self.spec.hosts), self.spec.sync_dst_dir)
 
-        def body() -> int:
-            helpers, port = start_guarded_scheduler(ctx, spec, root_uri)
-            argv = mpirun_argv(spec, mpirun, flavor, root_uri, port, hostfile)
-            main = ctx.start("mpirun", "mpirun", argv, spec.environ, show="raw")
-            return ctx.wait([main], helpers, finish_timeout=finish_timeout(), timeout=spec.timeout)
+    def close(self, status: Optional[int]) -> None:
+        if self.hostfile:
+            os.unlink(self.hostfile)
 
-        return supervise(ctx, body)
-    finally:
-        import shutil
 
-        shutil.rmtree(tmp, ignore_errors=True)
+def backend(spec: JobSpec) -> Backend:
+    return Mpi(spec)

@@ -10,6 +10,7 @@ it did not start.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import signal
@@ -21,13 +22,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Optional, Protocol
 
+from .lines import pump
+
 
 @dataclass
 class Proc:
     """One started process."""
 
-    name: str  # "scheduler", "server 1", "worker 0"
-    role: str
+    name: str  # "scheduler", "server 1", "worker 0", "mpirun"
     popen: subprocess.Popen[bytes]
     readers: list[threading.Thread] = field(default_factory=list)
     tail: list[str] = field(default_factory=list)  # last lines it printed, for error reports
@@ -109,11 +111,9 @@ class ProcessContext:
     def start(
         self,
         name: str,
-        role: str,
         argv: Sequence[str],
         env: Mapping[str, str],
         pass_fds: Sequence[int] = (),
-        cwd: Optional[str] = None,
         show: str = "prefix",
         stdin: str = "devnull",
     ) -> Proc:
@@ -138,59 +138,32 @@ class ProcessContext:
             stderr=subprocess.PIPE,
             start_new_session=True,
             pass_fds=tuple(pass_fds),
-            cwd=cwd,
         )
-        proc = Proc(name, role, popen)
+        proc = Proc(name, popen)
         assert popen.stdout is not None and popen.stderr is not None
         for pipe, sink in ((popen.stdout, self._out), (popen.stderr, self._err)):
-            t = threading.Thread(target=self._pump, args=(proc, pipe, sink, show), daemon=True, name=f"pskv-out-{name}")
+            emit = functools.partial(self._emit, proc, sink, show)
+            t = threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}")
             t.start()
             proc.readers.append(t)
         self.procs.append(proc)
         return proc
 
-    def _pump(self, proc: Proc, pipe: IO[bytes], sink: IO[str], show: str) -> None:
-        """Copy ``pipe`` to ``sink`` line by line, each line prefixed with ``[name] ``.
-
-        Only whole lines (ended by \\n, or \\r for progress bars) are written, so lines of
-        different processes never mix; a last unterminated line is written at EOF.
-        """
+    def _emit(self, proc: Proc, sink: IO[str], show: str, raw: list[bytes]) -> None:
+        """One batch of whole lines of ``proc``: remembered for the failure report, and written to
+        ``sink`` (prefixed ``[name] `` for ``show="prefix"``) unless only the tail is kept."""
+        lines = [line.decode(errors="replace") for line in raw]
+        for line in lines:
+            if all(part in line for part in GUARD_FAILURE) and len(proc.failures) < 10:
+                proc.failures.append(line.strip())
+        proc.tail += [stripped for stripped in (line.rstrip("\r\n") for line in lines) if stripped.strip()]
+        del proc.tail[: -self.TAIL]
+        if show == "tail":
+            return
         tag = f"[{proc.name}] " if show == "prefix" else ""
-        pending = ""
-        fd = pipe.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except OSError:
-                chunk = b""
-            if chunk:
-                pending += chunk.decode(errors="replace")
-                lines = pending.splitlines(keepends=True)
-                pending = lines.pop() if lines and not lines[-1].endswith(("\n", "\r")) else ""
-            else:
-                lines = [pending + "\n"] if pending else []
-                pending = ""
-            for line in lines:
-                if all(part in line for part in GUARD_FAILURE) and len(proc.failures) < 10:
-                    proc.failures.append(line.strip())
-            if lines and show == "tail":
-                proc.tail.extend(line.rstrip("\r\n") for line in lines if line.strip())
-                del proc.tail[: -self.TAIL]
-            elif lines:
-                for line in lines:
-                    stripped = line.rstrip("\r\n")
-                    if stripped:
-                        proc.tail.append(stripped)
-                del proc.tail[: -self.TAIL]
-                with self._lock:
-                    try:
-                        sink.write("".join(tag + line for line in lines))
-                        sink.flush()
-                    except (OSError, ValueError):
-                        pass
-            if not chunk:
-                break
-        pipe.close()
+        with self._lock, contextlib.suppress(OSError, ValueError):
+            sink.write("".join(tag + line for line in lines))
+            sink.flush()
 
     # -- waiting and stopping -------------------------------------------------------------------
 

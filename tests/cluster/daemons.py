@@ -628,11 +628,12 @@ def mpi_available() -> bool:
     return "Open MPI" in res.stdout + res.stderr or "OpenRTE" in res.stdout + res.stderr
 
 
-def mpi_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def mpi_env(base: Optional[Mapping[str, str]] = None, oversubscribe: bool = True) -> dict[str, str]:
     """The environment for running Open MPI's ``mpirun`` (4.x) on this one machine.
 
     ``OMPI_ALLOW_RUN_AS_ROOT(_CONFIRM)=1`` (mpirun refuses root otherwise; same as
-    ``--allow-run-as-root``), oversubscription allowed (``--oversubscribe``), and mpirun's own
+    ``--allow-run-as-root``), oversubscription allowed (``--oversubscribe``) unless
+    ``oversubscribe`` is false, and mpirun's own
     out-of-band and TCP byte-transfer traffic kept on the loopback interface (otherwise mpirun
     listens on every interface)."""
     env = dict(os.environ if base is None else base)
@@ -645,6 +646,8 @@ def mpi_env(base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
             "OMPI_MCA_btl_tcp_if_include": "lo",
         }
     )
+    if not oversubscribe:
+        del env["OMPI_MCA_rmaps_base_oversubscribe"]
     return env
 
 
@@ -732,6 +735,14 @@ class _BatchSystem:
     ) -> subprocess.CompletedProcess[str]:
         """Run a client command (srun, sbatch, qsub, qstat, ...) against this cluster."""
         return _run(argv, env=self.env(), timeout=timeout, check=check, cwd=cwd, logs=self.logs)
+
+    def jobs_left(self, timeout: float = 30.0) -> list[str]:
+        """The job ids still listed after up to ``timeout`` s: a job that has just ended can be
+        listed a moment longer (Slurm's COMPLETING state)."""
+        deadline = time.monotonic() + timeout
+        while (ids := self.job_ids()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return ids
 
     def _empty_queue(self, cancel: Sequence[str], timeout: float) -> None:
         """Cancel every job with ``cancel`` and wait until the queue lists none."""

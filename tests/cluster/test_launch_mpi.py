@@ -1,7 +1,8 @@
 """``pskv launch --launcher mpi`` with Debian's Open MPI ``mpirun`` on 127.0.0.1.
 
-The hostfile is ``localhost slots=5``; :func:`~tests.cluster.daemons.mpi_env` lets mpirun run as
-root and keeps its traffic on the loopback interface.
+The hostfile is ``localhost slots=5``, or one as the tutorials write it (a host per line, no
+``slots=``); :func:`~tests.cluster.daemons.mpi_env` lets mpirun run as root and keeps its
+traffic on the loopback interface.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def mpi_launch(tmp: Path, extra: list[str]) -> list[str]:
+def mpi_launch(tmp: Path, extra: list[str], hosts: str = "localhost slots=5   # every process on this machine\n") -> list[str]:
     hostfile = tmp / "hosts"
-    hostfile.write_text("localhost slots=5   # every process on this machine\n")
+    hostfile.write_text(hosts)
     return [
         sys.executable, "-m", "pskv", "launch", "--launcher", "mpi", "-n", "3", "-s", "2",
         "-H", str(hostfile), "--python", sys.executable, *extra,
@@ -44,6 +45,20 @@ def test_three_workers_two_servers_under_mpirun(tmp_path: Path) -> None:
     mark = marker()
     argv = mpi_launch(tmp_path, [*env_args(), *marker_args(mark), *formulas_args()])
     res = run(argv, timeout=240, cwd=project, env=mpi_env())
+    check_formulas(res)
+    assert wait_gone(mark) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("hosts", ["localhost\nlocalhost\n", "127.0.0.1\nlocalhost\n"], ids=["repeated", "two-names"])
+def test_a_plain_hostfile_places_servers_and_workers_over_its_hosts(tmp_path: Path, hosts: str) -> None:
+    """Two slots for five processes, and mpirun's own oversubscription left off: the launcher
+    places every process itself (round robin, as the ssh launcher does), so mpirun starts them
+    all, where a hostfile handed to mpirun would leave it "already filled"."""
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    argv = mpi_launch(tmp_path, [*env_args(), *marker_args(mark), *formulas_args()], hosts)
+    res = run(argv, timeout=240, cwd=project, env=mpi_env(oversubscribe=False))
     check_formulas(res)
     assert wait_gone(mark) == []
 

@@ -25,21 +25,12 @@ import pytest
 from pskv import cli
 from pskv.errors import LaunchError
 from pskv.launch import parse_env_specs
-from pskv.launch.common import (
-    Host,
-    JobSpec,
-    base_env,
-    forwarded_env,
-    host_cycle,
-    parse_hostfile,
-    place,
-    role_env,
-    scheduler_address,
-    shell_command,
-)
 from pskv.launch.guard import GuardError, child_env, rank_from
-from pskv.launch.kubernetes import manifests, to_yaml
+from pskv.launch.hosts import Host, host_cycle, parse_hostfile, place, scheduler_address
+from pskv.launch.job import Spool
+from pskv.launch.kubernetes import manifests
 from pskv.launch.process import ProcessContext
+from pskv.launch.spec import JobSpec, forwarded_env, shell_command
 from pskv.launch.yarn import SCHEDULER_DNS, yarn_service
 
 PY = sys.executable
@@ -123,10 +114,9 @@ def _spec(**kw: Any) -> JobSpec:
 
 def test_env_options_reach_exactly_their_roles() -> None:
     spec = _spec()
-    base = base_env(spec, "10.0.0.1", 9000)
-    server = role_env(spec, base, "server", 1)
-    worker = role_env(spec, base, "worker", 2)
-    scheduler = role_env(spec, base, "scheduler")
+    server = spec.process_env("server", "10.0.0.1", 9000, 1)
+    worker = spec.process_env("worker", "10.0.0.1", 9000, 2)
+    scheduler = spec.process_env("scheduler", "10.0.0.1", 9000)
     common = {
         "DMLC_PS_ROOT_URI": "10.0.0.1",
         "DMLC_PS_ROOT_PORT": "9000",
@@ -147,8 +137,12 @@ def test_env_options_reach_exactly_their_roles() -> None:
 
 def test_env_precedence_launcher_counts_win_role_options_last() -> None:
     spec = _spec(env={"DMLC_NUM_WORKER": "99", "X": "all"}, role_env={"server": {}, "worker": {"X": "worker"}})
-    worker = role_env(spec, base_env(spec, "h", 1), "worker", 0)
-    assert worker["DMLC_NUM_WORKER"] == "3" and worker["X"] == "worker"
+    worker = spec.process_env("worker", "h", 1, 0, torch={"LOCAL_RANK": "0", "X": "torch"})
+    assert worker["DMLC_NUM_WORKER"] == "3" and worker["X"] == "worker" and worker["LOCAL_RANK"] == "0"
+    here = spec.process_env("worker", "h", 1, 0, base={"HOME": "/h", "X": "base"}, workers_here=1)
+    assert here["HOME"] == "/h" and here["X"] == "worker" and int(here["OMP_NUM_THREADS"]) == (os.cpu_count() or 1)
+    assert "OMP_NUM_THREADS" not in spec.process_env("server", "h", 1, 0, workers_here=1)
+    assert spec.process_env("worker", "h", 1, 0, base={"OMP_NUM_THREADS": "3"}, workers_here=1)["OMP_NUM_THREADS"] == "3"
     assert forwarded_env({"PSKV_A": "1", "PSKV_PORT_FD": "3", "OTHER": "x"}) == {"PSKV_A": "1"}
 
 
@@ -286,24 +280,38 @@ def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pyte
         capsys,
     )  # fmt: skip
     assert code == 0
-    line = next(line for line in out.splitlines() if "pskv.launch.guard" in line)
+    name, _, line = next(line for line in out.splitlines() if "pskv.launch.guard" in line).partition(": ")
     argv = shlex.split(line)
-    assert argv[1:3] == ["--bind-to", "none"]
-    assert argv[3:5] == (["--hostfile"] if flavor == "openmpi" else ["-f"]) + argv[4:5]
-    want_hosts = "n1 slots=4\nn2 slots=1\n" if flavor == "openmpi" else "n1:4\nn2:1\n"
-    assert want_hosts in out
+    assert name == "mpirun" and argv[0].endswith("/bin/mpirun")
+    # servers 0, 1 and workers 0, 1, 2 placed round robin over the hostfile's cycle n1, n2, n1, n1, n1
+    # (n1 has 4 slots), as the ssh launcher places them
+    placement = [("server", "n1"), ("server", "n2"), ("worker", "n1"), ("worker", "n2"), ("worker", "n1")]
+    if flavor == "openmpi":
+        # one app context per process (runs on one host would share one), each with its --host;
+        # the launcher places them all, so more processes than slots are fine
+        assert argv[1:4] == ["--oversubscribe", "--bind-to", "none"]
+        first = 4
+        want = [(role, ["-np", "1", "--host", host]) for role, host in placement]
+    else:
+        # MPICH's hydra: rank r runs on the r-th entry of the hostfile, which lists the placement in rank order
+        assert argv[1:4] == ["--bind-to", "none", "-f"]
+        hostfile = argv[4]
+        assert f"hostfile {hostfile}:\nn1:1\nn2:1\nn1:1\nn2:1\nn1:1\n" in out
+        assert not Path(hostfile).exists()  # a dry run leaves nothing behind
+        first = 5
+        want = [("server", ["-n", "2"]), ("worker", ["-n", "3"])]
     contexts: list[list[str]] = [[]]
-    for a in argv[5:]:
+    for a in argv[first:]:
         if a == ":":
             contexts.append([])
         else:
             contexts[-1].append(a)
-    assert len(contexts) == 2
+    assert len(contexts) == len(want)
     envs = {}
-    for ctx, role, n, offset in ((contexts[0], "server", "2", None), (contexts[1], "worker", "3", "2")):
-        assert ctx[:2] == (["-np", n] if flavor == "openmpi" else ["-n", n])
+    for ctx, (role, head) in zip(contexts, want):
+        assert ctx[: len(head)] == head
         env = {}
-        i = 2
+        i = len(head)
         while ctx[i] in ("-x", "-env"):
             if ctx[i] == "-x":
                 k, _, v = ctx[i + 1].partition("=")
@@ -312,16 +320,28 @@ def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pyte
                 k, v = ctx[i + 1], ctx[i + 2]
                 i += 3
             env[k] = v
-        envs[f"{role} 0"] = env
+        assert envs.setdefault(f"{role} 0", env) == env  # every context of a role has the same variables
         guard = ctx[i : ctx.index("--")]
         assert guard[:3] == ["python3", "-m", "pskv.launch.guard"]
         assert guard[guard.index("--rank-from") + 1] == "OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK"
-        assert ("--rank-offset" in guard) == (offset is not None)
-        if offset:
-            assert guard[guard.index("--rank-offset") + 1] == offset
+        # MPI numbers the processes through the contexts in order: workers start after the 2 servers
+        assert ("--rank-offset" in guard) == (role == "worker")
+        if role == "worker":
+            assert guard[guard.index("--rank-offset") + 1] == "2"
         assert guard[guard.index("--prefix") + 1] == f"{role} {{rank}}"
+        assert ctx[ctx.index("--") + 1 :] == (["python3", "-m", "pskv", "serve"] if role == "server" else ["python3", "train.py"])
     _check_roles(envs)
     assert "DMLC_WORKER_ID" not in envs["worker 0"]  # the guard sets it from the MPI rank
+
+
+def test_mpi_without_hostfile_leaves_placement_to_mpirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _tool(tmp_path / "bin", "mpirun", "echo 'mpirun (Open MPI) 4.1.4'\n")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    code, out, _ = _cli(["launch", "--launcher", "mpi", "-n", "3", "-s", "2", "--dry-run", "--", "python3", "t.py"], capsys)
+    assert code == 0
+    argv = shlex.split(next(line for line in out.splitlines() if line.startswith("mpirun: ")).partition(": ")[2])
+    assert "--oversubscribe" not in argv and "--host" not in argv and "--hostfile" not in argv
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "-np"] == ["2", "3"] and argv.count(":") == 1
 
 
 def test_slurm_dry_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -357,11 +377,13 @@ def test_slurm_dry_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys:
     assert code == 0
     envs = {}
     for line in out.splitlines():
-        if "srun" not in line or line.startswith("#"):
+        name, _, rest = line.partition(": ")
+        if not name.startswith("srun "):
             continue
-        tokens = shlex.split(line)
+        tokens = shlex.split(rest)
         env = _env_tokens(tokens)
         role = env["DMLC_ROLE"]
+        assert name == f"srun {role}s"
         envs[f"{role} 0"] = env
         argv = tokens[len(env) :]
         assert argv[1:6] == ["--overlap", f"--ntasks={3 if role == 'worker' else 2}", "--kill-on-bad-exit=1", f"--job-name=jb-{role}", "--export=ALL"]
@@ -521,24 +543,27 @@ def test_kubernetes_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     _check_roles(envs)
 
 
-def test_kubernetes_yaml_is_the_same_document(tmp_path: Path) -> None:
-    spec = _spec(image="img", name="jb", env={"TRICKY": 'a "quoted": value\nnext line # not a comment', "EMPTY": ""})
-    items = manifests(spec)
-    assert to_yaml({"a": {"b": [1, {"c": "x", "d": []}], "e": {}}, "f": True, "g": None}) == (
-        'a:\n  b:\n    - 1\n    - c: "x"\n      d: []\n  e: {}\nf: true\ng: null\n'
-    )
-    from pskv.launch.kubernetes import render
-
-    text = render(items, "yaml")
-    assert text.count("---\n") == 4
+def test_kubernetes_yaml_file_and_dry_run_are_the_json_document(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A .yaml file holds the same JSON List (JSON is YAML 1.2: kubectl apply -f job.yaml reads it)."""
+    tricky = 'a "quoted": value\nnext line # not a comment'
+    monkeypatch.setenv("PSKV_TRICKY", tricky)
+    items = manifests(_spec(image="img", name="jb", env={"PSKV_TRICKY": tricky, "EMPTY": ""}, environ=dict(os.environ), role_env={"server": {}, "worker": {}}))
+    argv = ["launch", "--launcher", "kubernetes", "-n", "3", "-s", "2", "--image", "img", "--job-name", "jb",
+            "--env", "PSKV_TRICKY", "--env", "EMPTY:", "--", "python3", "train.py"]  # fmt: skip
+    code, _, _ = _cli([*argv[:-3], "--output", str(tmp_path / "job.yaml"), *argv[-3:]], capsys)
+    assert code == 0
+    text = (tmp_path / "job.yaml").read_text()
+    assert json.loads(text) == {"apiVersion": "v1", "kind": "List", "items": items}
+    code, out, _ = _cli([*argv[:-3], "--dry-run", *argv[-3:]], capsys)
+    assert code == 0 and json.loads(out.split("\n", 1)[1]) == json.loads(text)
     system_python = shutil.which("python3", path="/usr/bin:/bin")
     if system_python is None or subprocess.run([system_python, "-c", "import yaml"], capture_output=True).returncode != 0:
         pytest.skip("no YAML parser here (the system python3 has no PyYAML) to read the YAML back")
     parsed = subprocess.run(
-        [system_python, "-c", "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(sys.stdin))))"],
+        [system_python, "-c", "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"],
         input=text, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
-    assert json.loads(parsed.stdout) == items
+    assert json.loads(parsed.stdout) == json.loads(text)
 
 
 def test_kubernetes_errors_and_kubectl_apply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -728,7 +753,7 @@ def test_stdin_pipe_is_closed_on_stop_and_on_stop_runs_once() -> None:
     ctx = ProcessContext(stdout=out, stderr=io.StringIO(), grace=10)
     calls: list[str] = []
     ctx.on_stop.append(lambda: calls.append("stop"))
-    reader = ctx.start("worker 0", "worker", [PY, "-c", "import sys; sys.stdin.read(); print('eof seen')"], {}, stdin="pipe")
+    reader = ctx.start("worker 0", [PY, "-c", "import sys; sys.stdin.read(); print('eof seen')"], {}, stdin="pipe")
     t0 = time.monotonic()
     ctx.stop_all()
     ctx.stop_all()
@@ -736,7 +761,7 @@ def test_stdin_pipe_is_closed_on_stop_and_on_stop_runs_once() -> None:
     assert "[worker 0] eof seen" in out.getvalue()
     assert calls == ["stop"]
     with pytest.raises(ValueError):
-        ctx.start("x", "x", ["true"], {}, stdin="tty")
+        ctx.start("x", ["true"], {}, stdin="tty")
 
 
 class _Remote:
@@ -751,7 +776,7 @@ class _Remote:
 def test_wait_watches_processes_that_run_elsewhere() -> None:
     err = io.StringIO()
     ctx = ProcessContext(stdout=io.StringIO(), stderr=err, grace=2)
-    sleeper = ctx.start("scheduler", "scheduler", [PY, "-c", "import time; time.sleep(60)"], {})
+    sleeper = ctx.start("scheduler", [PY, "-c", "import time; time.sleep(60)"], {})
     assert ctx.wait([_Remote("worker 4", 6)], [sleeper]) == 6
     assert sleeper.returncode is not None
     assert "worker 4 exited with status 6" in err.getvalue() and "last words" in err.getvalue()
@@ -759,21 +784,24 @@ def test_wait_watches_processes_that_run_elsewhere() -> None:
     assert ctx.wait([_Remote("worker 0", 0)], [_Remote("server 0", 0)]) == 0
 
 
-def test_follower_copies_whole_lines_of_files_that_appear_late(tmp_path: Path) -> None:
-    from pskv.launch.common import Follower
-
+def test_spool_copies_whole_lines_of_files_that_appear_late(tmp_path: Path) -> None:
     sink = io.StringIO()
-    a, b = tmp_path / "a.out", tmp_path / "b.out"
-    follower = Follower(lambda: [str(p) for p in sorted(tmp_path.glob("*.out"))], sink)
-    follower.start()
+    spool = Spool(".spool-", "*.out", sink, directory=str(tmp_path))
+    a, b = Path(spool.path("a.out")), Path(spool.path("b.out"))
+    spool.start()
     a.write_bytes(b"[worker 0] one\n[worker 0] h\xc3")  # a line, then half a line ending inside a character
     time.sleep(0.5)
     assert sink.getvalue() == "[worker 0] one\n"
     with open(a, "ab") as f:
         f.write(b"\xa9llo\n")
     b.write_bytes(b"[worker 1] last, no newline")
-    follower.finish()
+    (tmp_path / "not-followed.txt").write_text("x\n")
+    spool.close(1, "the files")
     assert sink.getvalue() == "[worker 0] one\n[worker 0] h\u00e9llo\n[worker 1] last, no newline\n"
+    assert a.exists()  # kept after a failure
+    spool = Spool(".spool-", "*.out", sink, directory=str(tmp_path))
+    spool.close(0, "the files")
+    assert not Path(spool.dir).exists()  # removed after success
 
 
 def test_launch_local_signature_is_unchanged() -> None:

@@ -1,11 +1,18 @@
-"""The launcher's process context: whole lines, prefixes, first failure stops the rest."""
+"""The launcher's process context (whole lines, prefixes, first failure stops the rest) and the
+job runner that drives it (run_job with a fake backend)."""
 
 from __future__ import annotations
 
 import io
 import sys
+from typing import Optional
 
-from pskv.launch.process import ProcessContext
+import pytest
+
+from pskv.errors import LaunchError
+from pskv.launch.job import Backend, Planned, run_job
+from pskv.launch.process import ProcessContext, Watched
+from pskv.launch.spec import JobSpec
 
 WRITER = """
 import sys, time
@@ -23,7 +30,7 @@ sys.stdout.write("no newline at the end")
 def test_lines_never_mix_and_are_prefixed() -> None:
     out, err = io.StringIO(), io.StringIO()
     ctx = ProcessContext(stdout=out, stderr=err)
-    procs = [ctx.start(f"worker {i}", "worker", [sys.executable, "-u", "-c", WRITER], {}) for i in range(3)]
+    procs = [ctx.start(f"worker {i}", [sys.executable, "-u", "-c", WRITER], {}) for i in range(3)]
     assert ctx.wait(procs, []) == 0
     lines = out.getvalue().splitlines()
     for i in range(3):
@@ -36,8 +43,108 @@ def test_lines_never_mix_and_are_prefixed() -> None:
 def test_first_failure_stops_the_others_and_is_reported() -> None:
     out, err = io.StringIO(), io.StringIO()
     ctx = ProcessContext(stdout=out, stderr=err, grace=1.0)
-    sleeper = ctx.start("worker 0", "worker", [sys.executable, "-c", "import time; time.sleep(60)"], {})
-    failer = ctx.start("worker 1", "worker", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
+    sleeper = ctx.start("worker 0", [sys.executable, "-c", "import time; time.sleep(60)"], {})
+    failer = ctx.start("worker 1", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
     assert ctx.wait([sleeper, failer], []) == 7
     assert sleeper.returncode is not None
     assert "worker 1 exited with status 7" in err.getvalue() and "    bye" in err.getvalue()
+
+
+# --------------------------------------------------------------------------------------------
+# run_job with a fake backend: what every launcher gets from the job runner
+
+
+class FakeBackend(Backend):
+    """Runs the given local processes; records what run_job asked of it."""
+
+    title = "fake launcher"
+
+    def __init__(self, spec: JobSpec, planned: list[Planned], fail_start: bool = False):
+        super().__init__(spec)
+        self.planned, self.fail_start = planned, fail_start
+        self.calls: list[str] = []
+        self.started: list[Watched] = []
+
+    def processes(self, port: Optional[int]) -> list[Planned]:
+        return self.planned
+
+    def prepare(self) -> None:
+        self.calls.append("prepare")
+
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+        self.calls.append(f"start port={port}")
+        main, helpers = super().start(ctx, port)
+        self.started = [*main, *helpers]
+        if self.fail_start:
+            raise LaunchError("the cluster said no")
+        return main, helpers
+
+    def cancel(self, ctx: ProcessContext) -> None:
+        self.calls.append("cancel")
+
+    def close(self, status: Optional[int]) -> None:
+        self.calls.append(f"close {status}")
+
+
+def _py(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def _spec(timeout: Optional[float] = None, dry_run: bool = False) -> JobSpec:
+    return JobSpec(2, 1, ["unused"], timeout=timeout, dry_run=dry_run)
+
+
+SLEEP = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(60)"
+
+
+def test_run_job_success_waits_for_main_then_helpers(capsys: pytest.CaptureFixture[str]) -> None:
+    planned = [
+        Planned("server 0", _py("import time; time.sleep(0.5); print('served')")),
+        Planned("worker 0", _py("print('hello', flush=True)"), {"X_FROM_PLAN": "x"}, main=True),
+        Planned("worker 1", _py("import os; print(os.environ['X_FROM_PLAN'])"), {"X_FROM_PLAN": "y"}, main=True),
+    ]
+    backend = FakeBackend(_spec(), planned)
+    assert run_job(backend.spec, backend) == 0
+    out = capsys.readouterr().out
+    assert "[worker 0] hello" in out and "[worker 1] y" in out and "[server 0] served" in out
+    assert backend.calls == ["prepare", "start port=None", "close 0"]  # no scheduler here: address None
+
+
+def test_run_job_first_failure_cancels_stops_the_rest_and_is_the_status(capsys: pytest.CaptureFixture[str]) -> None:
+    planned = [
+        Planned("server 0", _py(SLEEP)),
+        Planned("worker 0", _py(SLEEP), main=True),
+        Planned("worker 1", _py("import sys, time; time.sleep(1); print('giving up', file=sys.stderr); sys.exit(5)"), main=True),
+    ]
+    backend = FakeBackend(_spec(), planned)
+    assert run_job(backend.spec, backend) == 5
+    err = capsys.readouterr().err
+    assert "worker 1 exited with status 5; stopped the other processes of the job" in err and "    giving up" in err
+    assert backend.calls == ["prepare", "start port=None", "cancel", "close 5"]
+    assert [p.returncode for p in backend.started] == [-15, 5, -15]  # workers 0, 1, server 0: SIGTERM to the others
+
+
+def test_run_job_timeout_is_124(capsys: pytest.CaptureFixture[str]) -> None:
+    backend = FakeBackend(_spec(timeout=1), [Planned("worker 0", _py(SLEEP), main=True)])
+    assert run_job(backend.spec, backend) == 124
+    assert "the job ran past its time limit of 1 s; stopped it" in capsys.readouterr().err
+    assert backend.calls == ["prepare", "start port=None", "cancel", "close 124"]
+
+
+def test_run_job_error_while_starting_stops_what_started(capsys: pytest.CaptureFixture[str]) -> None:
+    backend = FakeBackend(_spec(), [Planned("worker 0", _py(SLEEP), main=True)], fail_start=True)
+    with pytest.raises(LaunchError, match="the cluster said no"):
+        run_job(backend.spec, backend)
+    assert len(backend.started) == 1 and backend.started[0].returncode is not None  # stopped, reaped
+    assert backend.calls == ["prepare", "start port=None", "cancel", "close None"]
+
+
+def test_run_job_dry_run_prints_the_plan_and_starts_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    backend = FakeBackend(_spec(dry_run=True), [Planned("worker 0", ["prog", "a b"], {"K": "v w"}, main=True)])
+    backend.address = "10.1.1.1"
+    assert run_job(backend.spec, backend) == 0
+    assert capsys.readouterr().out == (
+        "# fake launcher\nscheduler here, bound to 10.1.1.1 (its port replaces DMLC_PS_ROOT_PORT=0 below)\n"
+        "worker 0: 'K=v w' prog 'a b'\n"
+    )
+    assert backend.calls == ["close 0"]
