@@ -1,27 +1,12 @@
 """The worker's side of the parameter-server system: sending requests, receiving answers.
 
-:class:`WorkerClient` joins the job and connects to every server twice: requests leave on one
-connection per server, answers come back on the other. At start each connection says HELLO
-with the worker's rank, the answer connection first, so the server knows where to send answers;
-then, with servers on this host, the two sides map each other's shared memory (:mod:`pskv.ps.shm`).
-
-Two ways to send:
-
-- :meth:`WorkerClient.send` sends one whole message (INIT, optimizer, states, barriers).
-- :meth:`WorkerClient.queue` adds one part's row to the server's next PUSH or PULL message;
-  :meth:`WorkerClient.flush` sends what is queued, one message of each kind per server. A
-  blocking store call flushes at once; calls made with ``wait=False`` leave it to the I/O
-  thread, so rows queued close together travel together (thousands of small keys cost a few
-  messages, not thousands), and a batch that reaches ``PSKV_BATCH_BYTES`` goes at once.
-
-Answers are received by the threads that wait for them: a thread waiting on a request or a
-call takes the receive lock and handles every answer that arrived (pulled bytes are copied into
-place there), for itself and for others; answers nobody waits for yet stay with zmq until
-someone does. So waiting costs no hand-over to another thread, and a thread that issues calls is
-never interrupted by one that copies answers (two Python threads doing torch ops take turns at
-every op). The I/O thread is the control plane: it owns the scheduler connection (heartbeats,
-barriers, failure notices), sends the rows queued without waiting, and fails requests past their
-deadline.
+A worker connects to each server twice (requests go out on one connection, answers come back on
+the other) and says HELLO on both; servers on this host then share memory with it. A store call
+either sends one whole message (:meth:`WorkerClient.send`) or queues a row per part for each
+server's next PUSH or PULL message (:meth:`WorkerClient.queue`, :meth:`WorkerClient.flush`).
+Answers are received by the thread that waits for them; the I/O thread is the control plane
+(the scheduler, heartbeats, deadlines) and sends the rows of calls made without waiting.
+docs/DESIGN.md says why.
 """
 
 from __future__ import annotations
@@ -46,7 +31,7 @@ from ..errors import (
 from . import shm, timeline
 from .message import PULL, PUSH, Message, Type
 from .node import JobEnv, Node, failure, host_identity
-from .tracker import Entry, Handle, OnReply, Request, Tracker
+from .tracker import BATCHED, Entry, Handle, OnReply, Request, Tracker
 from .van import PeerUnreachable, Van
 
 SCHEDULER = -1  # ``send``'s destination for the scheduler; servers are 0 .. S-1
@@ -56,8 +41,6 @@ FLUSH_IDLE = 0.0002
 FLUSH_DELAY = 0.002
 NOTHING: Any = object()  # a barrier that carries no value
 Sent = Callable[[float], bool]  # wait(timeout): true once a message's payload buffers may be reused
-
-
 Queued = tuple[Sequence[int], Sequence[Any], Entry]  # a row, its frames, the call it serves
 
 
@@ -67,10 +50,10 @@ class WorkerClient(Node):
     def __init__(self, env: JobEnv, van: Optional[Van] = None):
         super().__init__(env, van)
         self.data = Van()  # the connections to the servers (``self.van`` has the scheduler's)
-        self._receiving = threading.Lock()  # held by the thread that receives answers from the servers
+        self._receiving = threading.Lock()  # held by the thread that receives the servers' answers
         self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), lambda: self.fatal, self._pump)
         self.shared = shm.Shared()
-        self.shm_servers: set[int] = set()  # the servers reached through shared memory
+        self.shm_servers: set[int] = set()
         self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
         self._batch_bytes = config.batch_bytes()
         self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
@@ -78,7 +61,7 @@ class WorkerClient(Node):
         self._first_queued: Optional[float] = None  # rows queued without waiting: the first's time
         self._last_queued = 0.0
         self._dozing = True  # the I/O thread sleeps long (no rows queued lately): wake it for new ones
-        self._queued: list[tuple[str, Message, Request]] = []  # for the connections the I/O thread owns
+        self._queued: list[tuple[str, Message, Request]] = []  # for the scheduler, sent by the I/O thread
         self._lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
         self._stop = False
@@ -94,25 +77,19 @@ class WorkerClient(Node):
 
     def start(self) -> None:
         """Join the job (blocks until every node registered), start the I/O thread, say HELLO,
-        and set up shared memory with the servers on this host (``PSKV_SHM``)."""
+        and share memory with the servers on this host (``PSKV_SHM``)."""
         self.join(None)
         if not self.servers:
             self.van.close(linger=0)
             self.data.close(linger=0)
-            raise ClusterError(
-                "this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, "
-                "or use a local store"
-            )
-        for s in range(self.num_servers):
-            self.data.connect(f"server {s}", self.servers[s]["endpoint"])
-            self.data.connect(f"server {s}/tx", self.servers[s]["endpoint"], receive=False)
+            raise ClusterError("this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, or use a local store")
+        for s, info in enumerate(self.servers):
+            self.data.connect(f"server {s}", info["endpoint"])
+            self.data.connect(f"server {s}/tx", info["endpoint"], receive=False)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there
             self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in range(self.num_servers)])
-        self._probe_shm()
-
-    def _probe_shm(self) -> None:
         want = shm.mode()
         for s, info in enumerate(self.servers if want != "0" else []):
             try:
@@ -128,14 +105,14 @@ class WorkerClient(Node):
 
     # -- sending ----------------------------------------------------------------------------------
 
-    def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Request:
-        """Send one whole message to server ``to`` (or :data:`SCHEDULER`); its request to wait on.
-
-        ``what`` names the request in errors; ``on_reply(answer)`` runs on the I/O thread.
-        """
+    def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Handle:
+        """Send one whole message to server ``to`` (or :data:`SCHEDULER`); a handle to wait on.
+        ``what`` names it in errors; ``on_reply(answer)`` runs with the answer."""
         self._check_open()
+        handle = Handle(self.tracker)
+        parts = len((msg.meta or {}).get("parts", [])) if msg.type in BATCHED else 1  # INIT: answered part by part
         peer = "scheduler" if to == SCHEDULER else f"server {to}"
-        req = self.tracker.open(msg.type, what, peer, on_reply)
+        req = self.tracker.open(msg.type, what, peer, [(handle, None, None)] * parts, on_reply)
         msg.req_id = req.req_id
         if to == SCHEDULER:
             with self._lock:  # the I/O thread owns that connection: it sends what is queued
@@ -146,12 +123,12 @@ class WorkerClient(Node):
                 self._transmit(peer, msg, req)
         else:
             self._transmit(f"{peer}/tx", msg, req)
-        return req
+        return handle
 
     def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0) -> None:
-        """Add a part's ``row`` (and its payload ``frames``) to ``server``'s next ``kind`` (PUSH or
-        PULL) message; ``entry`` is the call it serves. Sent by :meth:`flush`, in the order queued,
-        and at once when the server's queued bytes reach ``PSKV_BATCH_BYTES``."""
+        """Add a part's ``row`` and payload ``frames`` to ``server``'s next ``kind`` (PUSH or PULL)
+        message, for the call of ``entry``. Sent by :meth:`flush`, or at once when the server's
+        queued bytes reach ``PSKV_BATCH_BYTES``."""
         self._check_open()
         with self._lock:
             self._pending.setdefault((server, kind), []).append((row, frames, entry))
@@ -160,9 +137,9 @@ class WorkerClient(Node):
                 self.flush([server])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> list[Sent]:
-        """Send the queued rows of ``servers`` (all by default): a PUSH then a PULL message each.
-        ``soon``: leave it to the I/O thread instead (rows queued meanwhile join them). Returns,
-        for pushes with payload frames, waits for the moment those buffers may be reused."""
+        """Send the queued rows of ``servers`` (all by default), a PUSH then a PULL message each;
+        ``soon``: the I/O thread will (rows queued meanwhile join them). Returns waits for the
+        moment the payload buffers of pushes with frames may be reused."""
         if soon:
             self._last_queued = time.monotonic()
             if self._first_queued is None:
@@ -174,16 +151,13 @@ class WorkerClient(Node):
         with self._lock:
             if servers is None:
                 self._first_queued = None
-            for key in sorted(k for k in self._pending if servers is None or k[0] in servers):  # a server's PUSH before its PULL
-                server, kind = key
-                batch = self._pending.pop(key)
+            for server, kind in sorted(k for k in self._pending if servers is None or k[0] in servers):  # PUSH before PULL
+                batch = self._pending.pop((server, kind))
                 self._pending_bytes.pop(server, None)
-                layout = PUSH if kind == Type.PUSH else PULL
                 frames = [f for q in batch for f in q[1]]
-                meta = self.push_meta if kind == Type.PUSH else None
-                msg = Message(kind, meta=meta, frames=[layout.pack([q[0] for q in batch]), *frames])
-                what = f"{kind.name.lower()} of {len(batch)} parts"
-                req = self.tracker.open(kind, what, f"server {server}", entries=[q[2] for q in batch])
+                table = (PUSH if kind == Type.PUSH else PULL).pack([q[0] for q in batch])
+                msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
+                req = self.tracker.open(kind, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q[2] for q in batch])
                 if server in self.shm_servers:  # answers may be slots of its shared memory
                     pid = int(self.servers[server]["pid"])
                     req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
@@ -205,7 +179,7 @@ class WorkerClient(Node):
 
     def _pump(self, timeout: float) -> None:
         """Receive and handle the servers' answers for up to ``timeout`` s, unless another thread
-        is doing so (then just wait a little: it handles ours too)."""
+        does (then wait a little: it handles ours too)."""
         if not self._receiving.acquire(timeout=timeout):
             return
         try:
@@ -217,10 +191,10 @@ class WorkerClient(Node):
                 for peer, msg in received:
                     if isinstance(msg, ProtocolError):
                         print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
-                    else:
-                        t0 = timeline.now()
-                        self.tracker.answer(msg)  # copies pulled parts into place
-                        timeline.span(f"answer from {peer}", t0, bytes=sum(len(f) for f in msg.frames[1:]))
+                        continue
+                    t0 = timeline.now()
+                    self.tracker.answer(msg)
+                    timeline.span(f"answer from {peer}", t0, bytes=sum(len(f) for f in msg.frames[1:]))
         finally:
             self._receiving.release()
 
@@ -233,16 +207,17 @@ class WorkerClient(Node):
     # -- waiting ------------------------------------------------------------------------------------
 
     def handle(self, finish: Optional[Callable[[], None]] = None) -> Handle:
-        """A new :class:`Handle` for a store call whose rows are about to be queued."""
+        """A handle for a call whose rows are about to be queued (waiting for it flushes them)."""
         return Handle(self.tracker, finish, self.flush)
 
     def check(self) -> None:
         """Raise the job's fatal error, or the error of an earlier push, if any."""
         self.tracker.raise_failure()
 
-    def wait(self, reqs: Sequence[Request | Handle]) -> None:
-        """Block until every request (or call) is answered; raise the first error (or the job's)."""
-        self.tracker.wait(reqs)
+    def wait(self, handles: Sequence[Handle]) -> None:
+        """Block until every call is done; raise the first error (or the job's)."""
+        for h in handles:
+            h.wait()
 
     def wait_sent(self, sent: Sequence[Sent]) -> None:
         """Block until the payload buffers of these pushes may be reused (zmq has the bytes)."""
@@ -254,16 +229,15 @@ class WorkerClient(Node):
                     raise DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
 
     def barrier(self, group: str = "worker", value: Any = NOTHING) -> list[Any]:
-        """Block until every node of ``group`` reaches a barrier. A barrier may carry a small
-        JSON ``value``; it returns every member's value, by rank ([] when none carried one)."""
+        """Block until every node of ``group`` reaches a barrier. It may carry a small JSON
+        ``value``: every member's is returned, by rank ([] when none carried one)."""
         got: list[Any] = []
         meta = {"group": group} if value is NOTHING else {"group": group, "value": value}
-        req = self.send(SCHEDULER, Message(Type.BARRIER, meta=meta), f"barrier of the {group}s", lambda m: got.extend((m.meta or {}).get("values", [])))
-        self.wait([req])
+        self.send(SCHEDULER, Message(Type.BARRIER, meta=meta), f"barrier of the {group}s", lambda m: got.extend((m.meta or {}).get("values", []))).wait()
         return got
 
     def close(self) -> None:
-        """Send what is queued, wait for outstanding requests, tell the scheduler this worker is
+        """Send what is queued, wait for what is outstanding, tell the scheduler this worker is
         done, stop the I/O thread."""
         if self._thread is None or self._stop:
             return
@@ -273,7 +247,10 @@ class WorkerClient(Node):
                 until = time.monotonic() + self.tracker.timeout
                 while len(self.tracker) and time.monotonic() < until and self.fatal is None:
                     self._pump(0.05)
-                self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing").done.wait(10.0)
+                done = self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing")
+                until = time.monotonic() + 10.0
+                while not done._done and time.monotonic() < until:  # answered by the I/O thread
+                    time.sleep(0.005)
         finally:
             self._stop = True
             self.van.wake()
@@ -287,10 +264,10 @@ class WorkerClient(Node):
         try:
             while not self._stop:
                 self._send_queued()
-                due = self._flush_due()
-                now = time.monotonic()
+                first, now = self._first_queued, time.monotonic()
                 # while calls come (rows queued in the last 50 ms), look often instead of being woken
                 self._dozing = now - self._last_queued > 0.05
+                due = None if first is None else min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE)
                 timeout = (0.25 if self._dozing else FLUSH_DELAY) if due is None else max(0.0, due - now)
                 for _, msg in self.van.recv(timeout):
                     if not isinstance(msg, ProtocolError):
@@ -305,19 +282,15 @@ class WorkerClient(Node):
             self._send_queued()
             self.van.close(linger=2.0)
 
-    def _flush_due(self) -> Optional[float]:
-        first = self._first_queued
-        return None if first is None else min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE)
-
     def _send_queued(self) -> None:
-        due = self._flush_due()
-        if due is not None and time.monotonic() >= due:
+        first = self._first_queued
+        if first is not None and time.monotonic() >= min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE):
             self.flush()
         with self._lock:
             queued, self._queued = self._queued, []
         for peer, msg, req in queued:
             try:
-                self.van.send(peer, msg)  # the scheduler
+                self.van.send(peer, msg)
             except PeerUnreachable as exc:
                 self.tracker.fail(req, exc)
 
@@ -333,4 +306,3 @@ class WorkerClient(Node):
         if self.fatal is None:
             self.fatal = exc
         self.tracker.fail_all(exc)
-
