@@ -1,20 +1,9 @@
 """Who is who: the job's environment, this node's address, joining the job, heartbeats.
 
-Every process of a job reads the same variables that existing parameter-server tooling sets:
-
-====================== ==============================================================
-``DMLC_ROLE``          ``scheduler``, ``server`` or ``worker``
-``DMLC_PS_ROOT_URI``   the scheduler's address (host or IP)
-``DMLC_PS_ROOT_PORT``  the scheduler's port
-``DMLC_NUM_WORKER``    how many workers the job has
-``DMLC_NUM_SERVER``    how many servers the job has
-``DMLC_WORKER_ID``     optional: this worker's rank (``pskv launch`` sets it)
-``DMLC_SERVER_ID``     optional: this server's rank (``pskv launch`` sets it)
-``DMLC_NODE_HOST``     optional: the address other nodes use to reach this one
-``DMLC_INTERFACE``     optional: take this node's address from that network interface
-====================== ==============================================================
-
-Ranks are deterministic: the ids given, else the order of registration.
+Every process reads the variables that parameter-server tooling sets (SPEC.md section 8):
+``DMLC_ROLE``, ``DMLC_PS_ROOT_URI`` and ``DMLC_PS_ROOT_PORT`` (the scheduler), ``DMLC_NUM_WORKER``,
+``DMLC_NUM_SERVER``; optionally ``DMLC_WORKER_ID``/``DMLC_SERVER_ID`` (the rank; else the order of
+registration), ``DMLC_NODE_HOST`` (this node's address) or ``DMLC_INTERFACE`` (its interface).
 """
 
 from __future__ import annotations
@@ -37,16 +26,14 @@ from .van import PeerUnreachable, Received, Van
 
 ROLES = ("scheduler", "server", "worker")
 _LOOPBACK = ("127.", "localhost", "::1")
+_LAUNCH = "start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`"
 
 
 def _int(environ: Mapping[str, str], name: str, low: int, required: bool = True) -> Optional[int]:
     raw = environ.get(name, "").strip()
     if not raw:
         if required:
-            raise ClusterError(
-                f"{name} is not set: a dist store needs the job's environment "
-                "(start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`)"
-            )
+            raise ClusterError(f"{name} is not set: a dist store needs the job's environment ({_LAUNCH})")
         return None
     try:
         value = int(raw)
@@ -78,10 +65,7 @@ class JobEnv:
         role = env.get("DMLC_ROLE", "").strip().lower()
         if role not in ROLES:
             shown = f"={role!r}" if role else " is not set"
-            raise ClusterError(
-                f"DMLC_ROLE{shown}; it must be one of {', '.join(ROLES)} "
-                "(start the job with `pskv launch -n WORKERS -s SERVERS -- COMMAND`)"
-            )
+            raise ClusterError(f"DMLC_ROLE{shown}; it must be one of {', '.join(ROLES)} ({_LAUNCH})")
         uri = env.get("DMLC_PS_ROOT_URI", "").strip()
         if not uri:
             raise ClusterError("DMLC_PS_ROOT_URI (the scheduler's address) is not set")
@@ -95,17 +79,8 @@ class JobEnv:
             raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
         if role == "server" and sid is not None and sid >= servers:
             raise ClusterError(f"DMLC_SERVER_ID={sid} but the job has DMLC_NUM_SERVER={servers} servers")
-        return cls(
-            role,
-            uri,
-            port,
-            workers,
-            servers,
-            wid if role == "worker" else None,
-            sid if role == "server" else None,
-            env.get("DMLC_NODE_HOST", "").strip() or None,
-            env.get("DMLC_INTERFACE", "").strip() or None,
-        )
+        host, interface = env.get("DMLC_NODE_HOST", "").strip() or None, env.get("DMLC_INTERFACE", "").strip() or None
+        return cls(role, uri, port, workers, servers, wid if role == "worker" else None, sid if role == "server" else None, host, interface)
 
     @property
     def inproc(self) -> bool:

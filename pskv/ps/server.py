@@ -1,18 +1,10 @@
 """A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds`.
 
-The loop receives a batch of messages, decodes each request into tensors (payload frames, or
-slots of the worker's shared memory), hands it to the round engine, and sends the answers the
-engine returns, gathered into one message per request per batch (acknowledgements before data).
-Between batches it heartbeats the scheduler and expires requests past ``PSKV_TIMEOUT``.
-
-- **Who asks**: each of a worker's two connections says HELLO with the worker's rank before
-  anything else, the one the worker reads answers from first; answers to requests on the other
-  go there. A request on a connection that has not said HELLO is refused.
-- **Shared memory** (same host, :mod:`pskv.ps.shm`): values live in this server's arenas, so a
-  pull is answered with the slot (the worker copies the bytes out); a push names a slot of the
-  worker's arena and is acknowledged once merged, so the worker does not reuse it before.
-- A bad request gets an ERROR naming what was wrong and changes nothing; a bug in handling one
-  request never takes the server down.
+It receives a batch of messages, decodes each request into tensors (payload frames, or slots of
+the worker's shared memory), hands it to the round engine and gathers the answers the engine
+returns into one message per request (acknowledgements first). A worker's connections say HELLO
+with its rank before anything else; a request on one that has not is refused. A bad request
+gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
 """
 
 from __future__ import annotations
@@ -56,6 +48,23 @@ class _Request:
     msg: Message
     shm: list[bool] = field(default_factory=list)  # per entry: answer a value with its shared-memory slot
     failed: bool = False
+
+
+class _Frames:
+    """The payload frames of a request, taken in order as its table announces them."""
+
+    def __init__(self, frames: list[Any], what: str):
+        self._it, self.what = iter(frames), what
+
+    def take(self) -> Any:
+        frame = next(self._it, None)
+        if frame is None:
+            raise ProtocolError(f"{self.what} has fewer payload frames than its table announces")
+        return frame
+
+    def end(self) -> None:
+        if next(self._it, None) is not None:
+            raise ProtocolError(f"{self.what} has more payload frames than its table announces")
 
 
 def server_threads() -> int:
@@ -240,10 +249,10 @@ class Server(Node):
 
     def _init_entries(self, msg: Message, rank: int) -> list[InitEntry]:
         try:
-            specs = list((msg.meta or {})["parts"])
-            entries = []
-            for key, index, dtype, numel, row_numel, row_sparse, name in specs:
-                entries.append(InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), bool(row_sparse), None))
+            entries = [
+                InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), bool(row_sparse), None)
+                for key, index, dtype, numel, row_numel, row_sparse, name in (msg.meta or {})["parts"]
+            ]
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad INIT metadata: {exc!r}") from None
         if msg.frames:
@@ -254,19 +263,14 @@ class Server(Node):
 
     def _push_entries(self, msg: Message, rank: int, req: _Request) -> list[PushEntry]:
         """Decode every part of a push (checked, nothing applied): gradients as ``rows x row_numel``."""
-        if not msg.frames:
-            raise ProtocolError("a push without its table of parts")
-        frames = iter(msg.frames[1:])
+        frames = _Frames(msg.frames, "a push")
         entries = []
-        for row in PUSH.unpack(msg.frames[0]):
+        for row in PUSH.unpack(frames.take()):
             p = self.rounds.part(row.key, row.part)
-            payload = [next(frames, None) for _ in range(row.frames)]
-            if any(f is None for f in payload):
-                raise ProtocolError("a push has fewer payload frames than its table announces")
-            entries.append(PushEntry(p, row.round, self._gradient(p, row, payload, rank, msg), row.fd >= 0, bool(row.held), bool(row.reply)))
+            grad = self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg)
+            entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply)))
             req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
-        if next(frames, None) is not None:
-            raise ProtocolError("a push has more payload frames than its table announces")
+        frames.end()
         return entries
 
     def _gradient(self, p: Part, row: Any, payload: list[Any], rank: int, msg: Message) -> Tensor:
@@ -292,27 +296,20 @@ class Server(Node):
         raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
 
     def _pull_entries(self, msg: Message, req: _Request) -> list[PullEntry]:
-        if not msg.frames:
-            raise ProtocolError("a pull without its table of parts")
-        rows = PULL.unpack(msg.frames[0])
-        ids = iter(msg.frames[1:])
+        frames = _Frames(msg.frames, "a pull")
         entries = []
-        for row in rows:
-            wanted = None
-            if row.rows:
-                frame = next(ids, None)
-                if frame is None:
-                    raise ProtocolError("a pull has fewer row-id frames than its table announces")
-                wanted = frame_tensor(frame, torch.int64)
+        for row in PULL.unpack(frames.take()):
+            wanted = frame_tensor(frames.take(), torch.int64) if row.rows else None
             rescale = bits_float(row.rescale) if row.rescale else None
             if rescale is not None and not math.isfinite(rescale):
                 raise ProtocolError(f"a pull with rescale {rescale}")
             entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale))
             req.shm.append(bool(row.shm))
+        frames.end()
         return entries
 
     def _storage(self, p: Part) -> Tensor:
-        """Room for a part's value: in shared memory (so pulls are answered with a slot), else private."""
+        """Room for a part's value: in shared memory (pulls are answered with its slot), else private."""
         if not self.shm:
             return torch.empty(p.rows, p.row_numel, dtype=p.dtype)
         arena, offset = self.shared.slot(p.nbytes)
@@ -344,21 +341,14 @@ class Server(Node):
         desc = meta.get("optimizer")
         if not isinstance(desc, dict) or not isinstance(meta.get("parts"), list):
             raise ProtocolError("SET_STATES needs an optimizer description and a list of parts")
-        frames = iter(msg.frames)
+        frames = _Frames(msg.frames, "SET_STATES")
         entries = []
         try:
             for e in meta["parts"]:
                 p = self.rounds.part(int(e["key"]), int(e["part"]))
-                tensors = {}
-                for name in e["names"]:
-                    frame = next(frames, None)
-                    if frame is None:
-                        raise ProtocolError("SET_STATES has fewer frames than state tensors")
-                    tensors[str(name)] = frame_tensor(frame, p.dtype, p.numel)
-                entries.append((p, int(e["step"]), tensors))
+                entries.append((p, int(e["step"]), {str(n): frame_tensor(frames.take(), p.dtype, p.numel) for n in e["names"]}))
             num_update = int(meta.get("num_update", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad SET_STATES metadata: {exc!r}") from None
-        if next(frames, None) is not None:
-            raise ProtocolError("SET_STATES has more frames than state tensors")
+        frames.end()
         self.rounds.load_states(desc, num_update, entries)
