@@ -8,6 +8,8 @@ runs, so a rejected call changes nothing and every key stays usable.
 from __future__ import annotations
 
 import builtins
+import functools
+import math
 import numbers
 import threading
 import warnings
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor
@@ -43,10 +45,7 @@ class KeyMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def row_numel(self) -> int:
@@ -58,6 +57,22 @@ class KeyMeta:
 
 def _fmt_shape(s: Sequence[int]) -> str:
     return "(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _locked(method: F) -> F:
+    """A public call: under the store's lock, on an open store."""
+
+    @functools.wraps(method)
+    def call(self: KVStore, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise errors.StoreClosedError(f"the {self.type!r} store was closed")
+            return method(self, *args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 class KVStore(ABC):
@@ -184,38 +199,38 @@ class KVStore(ABC):
 
     # -- public API -----------------------------------------------------------------------------
 
+    @_locked
     def init(self, key: KeyArg, value: ValueArg) -> None:
         """Create ``key`` with ``value`` (a tensor; of a list of device copies the first is used).
 
         Every worker of a job ``init``\\s the same keys in the same order. Blocks until the value
         is stored. A second ``init`` of a key is a :class:`~pskv.errors.DuplicateInitError`.
         """
-        with self._lock:
-            self._check_open()
-            pairs = self._pairs(key, value, "value")
-            kind = self._key_kind
-            new: list[tuple[KeyMeta, Tensor]] = []
-            seen: set[Key] = set()
-            next_str_id = sum(1 for k in self._keys if isinstance(k, str))
-            for k_raw, ts in pairs:
-                k = self._check_key(k_raw, kind)
-                kind = kind or type(k)
-                if k in self._keys or k in seen:
-                    raise errors.DuplicateInitError(f"key {k!r} was already initialised")
-                seen.add(k)
-                v = ts[0]
-                if v.is_sparse and v.dim() < 1:
-                    raise errors.SparseError(f"key {k!r}: a row-sparse value needs at least one dimension")
-                kid = k if isinstance(k, int) else next_str_id
-                if isinstance(k, str):
-                    next_str_id += 1
-                new.append((KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v))
-            with torch.no_grad():
-                self._init_impl(new)
-            self._key_kind = kind
-            for meta, _ in new:
-                self._keys[meta.key] = meta
+        pairs = self._pairs(key, value, "value")
+        kind = self._key_kind
+        new: list[tuple[KeyMeta, Tensor]] = []
+        seen: set[Key] = set()
+        next_str_id = sum(1 for k in self._keys if isinstance(k, str))
+        for k_raw, ts in pairs:
+            k = self._check_key(k_raw, kind)
+            kind = kind or type(k)
+            if k in self._keys or k in seen:
+                raise errors.DuplicateInitError(f"key {k!r} was already initialised")
+            seen.add(k)
+            v = ts[0]
+            if v.is_sparse and v.dim() < 1:
+                raise errors.SparseError(f"key {k!r}: a row-sparse value needs at least one dimension")
+            kid = k if isinstance(k, int) else next_str_id
+            if isinstance(k, str):
+                next_str_id += 1
+            new.append((KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v))
+        with torch.no_grad():
+            self._init_impl(new)
+        self._key_kind = kind
+        for meta, _ in new:
+            self._keys[meta.key] = meta
 
+    @_locked
     def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False) -> Optional[Handle]:
         """Push ``value`` (a tensor or a list of per-device tensors) to ``key``.
 
@@ -231,13 +246,12 @@ class KVStore(ABC):
         (``_held``, for the Trainer: on the servers, the round's update waits for the rescale that
         a pull with ``_rescale`` brings, so gradients can go before the batch size is known.)
         """
-        with self._lock:
-            self._check_open()
-            groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
-            with torch.no_grad():
-                handle = self._push_impl(groups, int(priority), wait, _held)
-            return None if wait else handle or Handle()
+        groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
+        with torch.no_grad():
+            handle = self._push_impl(groups, int(priority), wait, _held)
+        return None if wait else handle or Handle()
 
+    @_locked
     def pull(
         self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True, *, _rescale: Optional[float] = None
     ) -> Optional[Handle]:
@@ -251,63 +265,60 @@ class KVStore(ABC):
 
         >>> h = kv.pull("w", out, wait=False); ...; h.wait()
         """
-        with self._lock:
-            self._check_open()
-            groups = self._grouped(self._pairs(key, out, "out"), "out")
-            kept: list[tuple[KeyMeta, list[Tensor]]] = []
-            skipped: list[Key] = []
-            for meta, outs in groups:
-                dense_outs = [o for o in outs if not o.is_sparse]
-                if meta.row_sparse and dense_outs:
-                    raise errors.SparseError(f"{meta} is row-sparse; pull it with row_sparse_pull(key, out, row_ids), not into a dense out")
-                if ignore_sparse and len(dense_outs) < len(outs):
-                    skipped.append(meta.key)
-                    outs = dense_outs
-                if outs:
-                    kept.append((meta, outs))
-            if skipped:
-                warnings.warn(
-                    f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
-                    "use row_sparse_pull to fetch rows",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            handle = None
-            if kept:
-                with torch.no_grad():
-                    handle = self._pull_impl(kept, int(priority), wait, _rescale)
-            return None if wait else handle or Handle()
+        groups = self._grouped(self._pairs(key, out, "out"), "out")
+        kept: list[tuple[KeyMeta, list[Tensor]]] = []
+        skipped: list[Key] = []
+        for meta, outs in groups:
+            dense_outs = [o for o in outs if not o.is_sparse]
+            if meta.row_sparse and dense_outs:
+                raise errors.SparseError(f"{meta} is row-sparse; pull it with row_sparse_pull(key, out, row_ids), not into a dense out")
+            if ignore_sparse and len(dense_outs) < len(outs):
+                skipped.append(meta.key)
+                outs = dense_outs
+            if outs:
+                kept.append((meta, outs))
+        if skipped:
+            warnings.warn(
+                f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
+                "use row_sparse_pull to fetch rows",
+                UserWarning,
+                stacklevel=2,
+            )
+        handle = None
+        if kept:
+            with torch.no_grad():
+                handle = self._pull_impl(kept, int(priority), wait, _rescale)
+        return None if wait else handle or Handle()
 
+    @_locked
     def pushpull(
         self, key: KeyArg, value: ValueArg, out: Optional[ValueArg] = None, priority: int = 0, wait: bool = True
     ) -> Optional[Handle]:
         """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into
         ``value``. ``wait=False``: both are sent without waiting; the handle is the pull's."""
-        with self._lock:
-            self._check_open()
-            target = value if out is None else out
-            groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
-            outs = self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
-            if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
-                with torch.no_grad():
-                    handle = self._pushpull_impl(groups, outs, int(priority), wait)
-                if handle is not NotImplemented:
-                    return None if wait else handle or Handle()
+        target = value if out is None else out
+        groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
+        outs = self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
+        if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
             with torch.no_grad():
-                self._push_impl(groups, int(priority), wait, False)
-            return self.pull(key, target, priority, wait=wait)
+                handle = self._pushpull_impl(groups, outs, int(priority), wait)
+            if handle is not NotImplemented:
+                return None if wait else handle or Handle()
+        with torch.no_grad():
+            self._push_impl(groups, int(priority), wait, False)
+        return self.pull(key, target, priority, wait=wait)
 
+    @_locked
     def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:
         """``init(key, value)`` then ``pull(key, out)``: every worker gets rank 0's value."""
-        with self._lock:
-            self._check_open()
-            for (k, vals), (_, outs) in zip(self._pairs(key, value, "value"), self._pairs(key, out, "out")):
-                like = KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse)
-                for o in outs:
-                    self._check_like(like, o, "out")
-            self.init(key, value)
-            self.pull(key, out, priority)
+        for (k, vals), (_, outs) in zip(self._pairs(key, value, "value"), self._pairs(key, out, "out")):
+            like = KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse)
+            for o in outs:
+                self._check_like(like, o, "out")
+        self.init(key, value)
+        self.pull(key, out, priority)
 
+    @_locked
     def row_sparse_pull(self, key: KeyArg, out: ValueArg, row_ids: ValueArg, priority: int = 0) -> None:
         """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``.
 
@@ -315,29 +326,27 @@ class KVStore(ABC):
         other row zero. With a list of outputs, ``row_ids`` is one tensor for all or a list with
         one per output.
         """
-        with self._lock:
-            self._check_open()
-            pairs = self._pairs(key, out, "out")
-            if isinstance(key, (list, tuple)):
-                if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
-                    raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(key)} keys)")
-                rid_items = list(row_ids)
-            else:
-                rid_items = [row_ids]
-            groups: list[tuple[KeyMeta, list[Tensor], list[Tensor]]] = []
-            for (k, outs), rids in zip(pairs, rid_items):
-                meta = self._meta(k)
-                for o in outs:
-                    self._check_like(meta, o, "out")
-                rid_list = self._tensors(k, rids, "row_ids")
-                if len(rid_list) == 1:
-                    rid_list = rid_list * len(outs)
-                if len(rid_list) != len(outs):
-                    raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rid_list)} row_ids")
-                checked = [self._check_rows(meta, r) for r in rid_list]
-                groups.append((meta, outs, checked))
-            with torch.no_grad():
-                self._row_sparse_pull_impl(groups, int(priority))
+        pairs = self._pairs(key, out, "out")
+        if isinstance(key, (list, tuple)):
+            if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
+                raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(key)} keys)")
+            rid_items = list(row_ids)
+        else:
+            rid_items = [row_ids]
+        groups: list[tuple[KeyMeta, list[Tensor], list[Tensor]]] = []
+        for (k, outs), rids in zip(pairs, rid_items):
+            meta = self._meta(k)
+            for o in outs:
+                self._check_like(meta, o, "out")
+            rid_list = self._tensors(k, rids, "row_ids")
+            if len(rid_list) == 1:
+                rid_list = rid_list * len(outs)
+            if len(rid_list) != len(outs):
+                raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rid_list)} row_ids")
+            checked = [self._check_rows(meta, r) for r in rid_list]
+            groups.append((meta, outs, checked))
+        with torch.no_grad():
+            self._row_sparse_pull_impl(groups, int(priority))
 
     @staticmethod
     def _check_rows(meta: KeyMeta, rows: Tensor) -> Tensor:
@@ -351,44 +360,39 @@ class KVStore(ABC):
         unique: Tensor = torch.unique(rows)  # sorted
         return unique
 
+    @_locked
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run ``optimizer`` on every push from now on (on the servers for dist types)."""
-        with self._lock:
-            self._check_open()
-            if not isinstance(optimizer, Optimizer):
-                raise errors.OptimizerError(
-                    f"set_optimizer takes a pskv.optim.Optimizer (pskv.optim.create(...)), got {type(optimizer).__name__}"
-                )
-            self._set_optimizer_impl(optimizer)
+        if not isinstance(optimizer, Optimizer):
+            raise errors.OptimizerError(
+                f"set_optimizer takes a pskv.optim.Optimizer (pskv.optim.create(...)), got {type(optimizer).__name__}"
+            )
+        self._set_optimizer_impl(optimizer)
 
+    @_locked
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
         """Compress pushed gradients, e.g. ``{"type": "2bit", "threshold": 0.5}`` (see :mod:`pskv.compression`)."""
-        with self._lock:
-            self._check_open()
-            self._compressor = Compressor(compression_params)
-            self._set_compression_impl(self._compressor)
+        self._compressor = Compressor(compression_params)
+        self._set_compression_impl(self._compressor)
 
+    @_locked
     def save_optimizer_states(self, fname: Union[str, Path], dump_optimizer: bool = False) -> None:
         """Write every key's optimizer state (fetched from the servers for dist types) to ``fname``.
 
         The file is independent of the number of servers. ``dump_optimizer`` is accepted for
         MXNet compatibility: the optimizer description is always included.
         """
-        with self._lock:
-            self._check_open()
-            save_states(fname, self._optimizer_state(), {m.id: m.key for m in self._keys.values()})
+        save_states(fname, self._optimizer_state(), {m.id: m.key for m in self._keys.values()})
 
+    @_locked
     def load_optimizer_states(self, fname: Union[str, Path]) -> None:
         """Restore states written by :meth:`save_optimizer_states` (to the servers for dist types)."""
-        with self._lock:
-            self._check_open()
-            self._load_optimizer_state(load_states(fname))
+        self._load_optimizer_state(load_states(fname))
 
+    @_locked
     def barrier(self) -> None:
         """Block until every worker reaches its barrier (a no-op for in-process stores)."""
-        with self._lock:
-            self._check_open()
-            self._barrier_impl()
+        self._barrier_impl()
 
     def allgather(self, value: Any) -> list[Any]:
         """Every worker's ``value``, by rank: a barrier that carries a small JSON-able value.
@@ -405,7 +409,8 @@ class KVStore(ABC):
         except (TypeError, ValueError) as exc:
             raise errors.InvalidValueError(f"allgather takes JSON values (numbers, strings, lists, dicts): {exc}") from None
         with self._lock:
-            self._check_open()
+            if self._closed:
+                raise errors.StoreClosedError(f"the {self.type!r} store was closed")
             return self._allgather_impl(value)
 
     def close(self) -> None:
@@ -421,10 +426,6 @@ class KVStore(ABC):
 
     def __exit__(self, exc_type: Optional[builtins.type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise errors.StoreClosedError(f"the {self.type!r} store was closed")
 
     # -- hooks of the concrete stores -----------------------------------------------------------
 
