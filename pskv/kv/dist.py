@@ -83,6 +83,8 @@ class DistStore(KVStore):
         # (key, part) -> the latest call that must be done before the part is pushed again: a
         # pull (its answer may be the server's value itself) or a push from our shared slot
         self._before_push: dict[tuple[int, int], Handle] = {}
+        self._streams: dict[torch.device, Any] = {}  # a side CUDA stream per device, for copies to the host
+        self._pinned: dict[int, tuple[Tensor, Any]] = {}  # key -> page-locked buffer pulls into GPU outputs go through, its last copy
 
     @property
     def rank(self) -> int:
@@ -141,12 +143,12 @@ class DistStore(KVStore):
         handle = self._client.handle()
         t0 = timeline.now()
         for meta, values in items:
-            for p, row, frames in self._push_parts(meta, values, wait, int(held)):
+            for p, row, frames, ready in self._push_parts(meta, values, wait, int(held)):
                 # TCP: a message leaves every PSKV_BATCH_BYTES, so the server sums one while the
                 # next is on the wire. Shared memory: every stage is a pass over memory, so
                 # overlapping them only makes them compete for the memory bus and the cores.
                 nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, (handle, None, None), nbytes)
+                self._client.queue(p.server, Type.PUSH, row, frames, (handle, None, None), nbytes, ready)
                 if not frames:  # from our shared slot: not to be written again before the server merged it
                     self._before_push[(meta.id, p.index)] = handle
         timeline.span("push (copy in, queue)", t0, keys=len(items))
@@ -157,11 +159,15 @@ class DistStore(KVStore):
         self._client.wait_sent(self._client.flush())
         return None
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int = 0) -> list[tuple[Part, list[int], list[Any]]]:
-        """Each part of one key's push: its PUSH row and payload frames (none through shared memory).
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int = 0) -> list[tuple[Part, list[int], list[Any], Any]]:
+        """Each part of one key's push: its PUSH row, payload frames (none through shared memory)
+        and the CUDA event its bytes wait for (a GPU value is copied asynchronously to page-locked
+        memory, on a side stream ordered after the gradient's).
 
         ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
         caller then waits until it is sent)."""
+        if not any(v.is_sparse for v in values) and self._compressor is None and values[0].is_cuda:
+            return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
         out = []
         parts = self._parts[meta.id]
         whole = len(parts) == 1  # one part: the tensors go as they are, no flat views (each op costs)
@@ -181,19 +187,16 @@ class DistStore(KVStore):
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
         for p in parts:
             where = (meta.id, p.index)
-            earlier = self._before_push.pop(where, None)
-            if earlier is not None and not earlier.done():
-                self._client.flush()
-                self._client.wait([earlier])
+            self._wait_before_push(where)
             round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
             if sparse:
                 r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
                 sel = (ids >= r0) & (ids < r1)
                 frames = [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held, reply], frames))
+                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held, reply], frames, None))
             elif self._compressor is not None:
                 frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held, reply], frames))
+                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held, reply], frames, None))
             elif p.server in self._client.shm_servers:
                 slot = self._slots.get(where)
                 if slot is None:
@@ -205,12 +208,58 @@ class DistStore(KVStore):
                 for f in flats[1:]:
                     slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
                 fd, offset = slot.home  # type: ignore[attr-defined]
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], []))
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], [], None))
             else:
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(merged_flat[p.start : p.stop])]))
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(merged_flat[p.start : p.stop])], None))
         return out
+
+    def _push_from_gpu(self, meta: KeyMeta, value: Tensor, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
+        """The parts of a GPU value, copied without blocking into page-locked host memory: the
+        part's slot in our (registered) shared memory, or a pinned buffer of the store's."""
+        stream = self._streams.get(value.device)
+        if stream is None:
+            stream = self._streams[value.device] = torch.cuda.Stream(value.device)  # type: ignore[no-untyped-call]
+        stream.wait_stream(torch.cuda.current_stream(value.device))  # after the gradient is made
+        value.record_stream(stream)  # its memory is not reused before the copy is done
+        flat, out = value.reshape(-1), []  # type: tuple[Tensor, list[tuple[Part, list[int], list[Any], Any]]]
+        with torch.cuda.stream(stream):
+            for p in self._parts[meta.id]:
+                where = (meta.id, p.index)
+                self._wait_before_push(where)
+                round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
+                host = self._host_buffer(meta, p)
+                host.copy_(flat[p.start : p.stop], non_blocking=True)
+                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                ready.record(stream)
+                if p.server in self._client.shm_servers:
+                    fd, offset = host.home  # type: ignore[attr-defined]
+                    out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], [], ready))
+                else:
+                    out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(host)], ready))
+        return out
+
+    def _host_buffer(self, meta: KeyMeta, p: Part) -> Tensor:
+        """The page-locked host memory a part of a GPU value goes through (made once)."""
+        where = (meta.id, p.index)
+        buf = self._slots.get(where)
+        if buf is None:
+            if p.server in self._client.shm_servers:
+                arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
+                arena.pin()
+                buf = arena.tensor(offset, p.numel, meta.dtype)
+                buf.home = (arena.fd, offset)  # type: ignore[attr-defined]
+            else:
+                buf = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True)
+            self._slots[where] = buf
+        return buf.view(-1)
+
+    def _wait_before_push(self, where: tuple[int, int]) -> None:
+        earlier = self._before_push.pop(where, None)
+        if earlier is not None and not earlier.done():
+            self._client.flush()
+            self._client.wait([earlier])
 
     def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
         """Push rows that are answered with the value once their round is complete: a pull that
@@ -222,30 +271,43 @@ class DistStore(KVStore):
             )
         handle, sinks = self._sinks(outs)
         for (meta, values), sink in zip(items, sinks):
-            for p, row, frames in self._push_parts(meta, values, wait, 0, reply=1):
+            for p, row, frames, ready in self._push_parts(meta, values, wait, 0, reply=1):
                 nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, (handle, sink(p), meta.dtype), nbytes)
+                self._client.queue(p.server, Type.PUSH, row, frames, (handle, sink(p), meta.dtype), nbytes, ready)
                 self._before_push[(meta.id, p.index)] = handle
         return self._done(handle, wait)
 
     def _sinks(self, items: list[tuple[KeyMeta, list[Tensor]]]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
         """A handle for pulling ``items``, and per key where each part's answer goes: straight into
         the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
-        copies: list[tuple[Tensor, list[Tensor]]] = []
+        copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
 
         def finish() -> None:  # in the caller's thread, once every part has arrived
-            for buf, outs in copies:
+            for meta, buf, outs in copies:
                 for o in outs:
-                    o.copy_(buf.to_sparse(1) if o.is_sparse else buf)
+                    o.copy_(buf.to_sparse(1) if o.is_sparse else buf, non_blocking=o.is_cuda)  # from pinned memory: not blocking
+                if any(o.is_cuda for o in outs):  # the pinned buffer is not written again before the copy is done
+                    self._pinned[meta.id] = (buf, torch.cuda.Event())  # type: ignore[no-untyped-call]
+                    self._pinned[meta.id][1].record()
 
         sinks = []
         for meta, outs in items:
             first = outs[0]
             direct = not first.is_sparse and first.device.type == "cpu" and first.is_contiguous()
-            buf = first if direct else torch.empty(meta.shape, dtype=meta.dtype)
-            copies.append((buf, outs[1:] if direct else outs))
+            buf = first if direct else self._pull_buffer(meta, first.is_cuda)
+            copies.append((meta, buf, outs[1:] if direct else outs))
             sinks.append(self._parts_of(meta, buf))
         return self._client.handle(finish), sinks
+
+    def _pull_buffer(self, meta: KeyMeta, cuda: bool) -> Tensor:
+        """Where a pull lands before it is copied to its outputs: for a GPU, page-locked memory
+        (made once per key, written again only after its last copy to the GPU is done)."""
+        if not cuda:
+            return torch.empty(meta.shape, dtype=meta.dtype)
+        buf, copied = self._pinned.get(meta.id, (None, None))
+        if copied is not None:
+            copied.synchronize()
+        return buf if buf is not None else torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
 
     def _parts_of(self, meta: KeyMeta, buf: Tensor) -> Callable[[Part], Tensor]:
         """Part -> its elements of ``buf``, without a flat view when the key has one part (each op costs)."""

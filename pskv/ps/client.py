@@ -41,7 +41,7 @@ FLUSH_IDLE = 0.0002
 FLUSH_DELAY = 0.002
 NOTHING: Any = object()  # a barrier that carries no value
 Sent = Callable[[float], bool]  # wait(timeout): true once a message's payload buffers may be reused
-Queued = tuple[Sequence[int], Sequence[Any], Entry]  # a row, its frames, the call it serves
+Queued = tuple[Sequence[int], Sequence[Any], Entry, Any]  # a row, its frames, the call it serves, a CUDA event its bytes wait for
 
 
 class WorkerClient(Node):
@@ -125,13 +125,14 @@ class WorkerClient(Node):
             self._transmit(f"{peer}/tx", msg, req)
         return handle
 
-    def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0) -> None:
+    def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None) -> None:
         """Add a part's ``row`` and payload ``frames`` to ``server``'s next ``kind`` (PUSH or PULL)
-        message, for the call of ``entry``. Sent by :meth:`flush`, or at once when the server's
-        queued bytes reach ``PSKV_BATCH_BYTES``."""
+        message, for the call of ``entry``. Sent by :meth:`flush` (after the CUDA event ``ready``:
+        the bytes are being copied from a GPU), or at once when the server's queued bytes reach
+        ``PSKV_BATCH_BYTES``."""
         self._check_open()
         with self._lock:
-            self._pending.setdefault((server, kind), []).append((row, frames, entry))
+            self._pending.setdefault((server, kind), []).append((row, frames, entry, ready))
             self._pending_bytes[server] = self._pending_bytes.get(server, 0) + nbytes
             if self._pending_bytes[server] >= self._batch_bytes:
                 self.flush([server])
@@ -154,6 +155,9 @@ class WorkerClient(Node):
             for server, kind in sorted(k for k in self._pending if servers is None or k[0] in servers):  # PUSH before PULL
                 batch = self._pending.pop((server, kind))
                 self._pending_bytes.pop(server, None)
+                for q in batch:
+                    if q[3] is not None:
+                        q[3].synchronize()  # a copy from a GPU into the bytes to send
                 frames = [f for q in batch for f in q[1]]
                 table = (PUSH if kind == Type.PUSH else PULL).pack([q[0] for q in batch])
                 msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])

@@ -72,6 +72,13 @@ class Arena:
         self.used = end
         return start
 
+    def pin(self) -> None:
+        """Page-lock the arena for CUDA, so copies between it and a GPU run asynchronously."""
+        if not getattr(self, "pinned", False):
+            whole = torch.frombuffer(self.mm, dtype=torch.uint8)
+            torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), self.size, 0)  # type: ignore[no-untyped-call]
+            self.pinned = True
+
     def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D tensor over the slot at ``offset``."""
         if numel == 0:

@@ -300,13 +300,13 @@ class _Branchy(nn.Module):
         return (self.head_a if step % 2 == 0 else self.head_b)(torch.relu(self.body(x)))
 
 
-def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_none: bool = True) -> list[torch.Tensor]:
+def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_none: bool = True, device: str = "cpu") -> list[torch.Tensor]:
     """Five steps with batch sizes that change (the last batch of an epoch is smaller)."""
-    net = _Branchy()
+    net = _Branchy().to(device)
     init = torch.Generator().manual_seed(0)  # not torch's global generator: the workers are threads of one process
     with torch.no_grad():
         for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=init) * 0.2)
+            p.copy_(torch.randn(p.shape, generator=init).to(device) * 0.2)
     tr = pskv.Trainer(
         net.parameters(), "sgd", {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}, kvstore=kv,
         update_on_kvstore=uok, overlap=overlap,
@@ -316,7 +316,7 @@ def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_non
     for step, batch in enumerate([8, 8, 8, 5, 8]):
         net.zero_grad(set_to_none=set_to_none)
         for micro in range(accumulate):
-            x, y = torch.randn(batch, 3, 8, 8, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+            x, y = torch.randn(batch, 3, 8, 8, generator=gen).to(device), torch.randint(0, 4, (batch,), generator=gen).to(device)
             loss = nn.functional.cross_entropy(net(x, step), y, reduction="sum")
             if micro < accumulate - 1:
                 with tr.no_sync():
@@ -325,7 +325,7 @@ def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_non
                 loss.backward()
         tr.step(batch * accumulate, ignore_stale_grad=True)
     tr.synchronize()
-    return [p.detach().clone() for p in net.parameters()]
+    return [p.detach().cpu() for p in net.parameters()]
 
 
 @pytest.mark.parametrize("uok", [None, False])

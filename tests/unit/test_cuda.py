@@ -1,0 +1,49 @@
+"""The GPU data path: gradients copied to page-locked host memory on a side stream, pulls copied
+back without blocking, device lists summed on a device; run where a CUDA device is."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from pskv.kv import KVStore
+
+from .test_trainer import _train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+Job = Callable[..., Any]
+
+
+@pytest.mark.parametrize("store", ["dist_sync", "dist_device_sync"])
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_gpu_values_through_the_servers(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, store: str, shm: str) -> None:
+    monkeypatch.setenv("PSKV_SHM", shm)
+    job = inproc_job(2, 2)
+    shapes = [(3,), (1200, 1000)]  # the second is cut over both servers
+
+    def body(kv: KVStore) -> list[float]:
+        dev = torch.device("cuda", 0)
+        kv.init([0, 1], [torch.zeros(s, device=dev) for s in shapes])
+        outs = [torch.full(s, float("nan"), device=dev) for s in shapes]
+        seen = []
+        for rnd in range(3):  # the page-locked buffers are used again every round
+            grads = [[torch.full(s, kv.rank + 1.0 + rnd, device=dev)] * 2 for s in shapes]  # two "devices"
+            kv.push([0, 1], grads)
+            handle = kv.pull([0, 1], outs, wait=False)
+            assert handle is not None
+            handle.wait()
+            seen.append([o.flatten()[-1].item() for o in outs])
+            assert all(bool(torch.all(o == o.flatten()[0])) for o in outs)
+        return [v for rnd in seen for v in rnd]
+
+    want = [2 * (1 + 2 + 2 * rnd) for rnd in range(3) for _ in shapes]
+    assert job.run_workers(body, store) == [want, want]
+
+
+def test_overlap_on_gpu_gives_the_numbers_of_the_plain_path(inproc_job: Job) -> None:
+    plain = inproc_job(2, 2).run_workers(lambda kv: _train(kv, False, None, device="cuda"))
+    overlapped = inproc_job(2, 2).run_workers(lambda kv: _train(kv, True, None, device="cuda"))
+    for a, b in zip(plain[0], overlapped[0]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
