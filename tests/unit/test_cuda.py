@@ -10,7 +10,7 @@ import torch
 
 from pskv.kv import KVStore
 
-from .test_trainer import _train
+from tests.unit.test_trainer import _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 Job = Callable[..., Any]
