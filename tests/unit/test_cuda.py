@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pskv.kv import KVStore
-
 from tests.unit.test_trainer import _train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
