@@ -1,20 +1,13 @@
-"""pskv's wire format: a fixed binary header, optional JSON metadata, raw payload frames.
+"""pskv's wire format. A message is one zmq multipart message::
 
-A message is a list of frames (one zmq multipart message)::
+    frame 0   header: magic b"PSKV", version, type, request id, metadata length (HEADER, 20 bytes)
+    frame 1   JSON metadata, iff its length is not 0 (at most MAX_META bytes)
+    frame 2.. payload: a table of int64 rows (:class:`Layout`), then raw tensor bytes, never pickled
 
-    frame 0   header: struct HEADER (20 bytes, little-endian): magic b"PSKV", version, type,
-              request id, metadata length
-    frame 1   JSON metadata, present iff the metadata length is not 0 (UTF-8, at most MAX_META bytes)
-    frame 2.. payload: a table of rows (see :class:`Layout`), then raw bytes of contiguous tensors
-              (their dtype and size are known from the key), never pickled
-
-Data requests (INIT, PUSH, PULL) carry many parts of many keys in one message, one row per part
-(ps-lite's KVPairs); their answers list the rows answered so far (:data:`ANSWER`), so a request is
-answered part by part as rounds complete. Decoding checks every field and raises
-:class:`~pskv.errors.ProtocolError` on anything malformed; nothing received is ever evaluated.
-
-This module imports nothing else from pskv but the errors, and torch only inside the tensor
-helpers, so the scheduler (control messages only) does not load torch.
+Data requests (INIT, PUSH, PULL) carry many parts in one message, a row per part (ps-lite's
+KVPairs); their answers list the rows answered so far (:data:`ANSWER`). Decoding checks every
+field (:class:`~pskv.errors.ProtocolError`); nothing received is evaluated. Torch is imported
+only inside the tensor helpers: the scheduler does not load it.
 """
 
 from __future__ import annotations
@@ -128,15 +121,12 @@ ANSWER = Layout("AnswerRow", "entry", "fd", "offset", "nbytes")
 
 
 def float_bits(x: float) -> int:
-    """A float64 as the int64 of the same bits, for a table column (0.0 is 0)."""
-    value: int = struct.unpack("<q", struct.pack("<d", x))[0]
-    return value
+    """A float64 as the int64 of the same bits, for a table column (0.0 is 0); :func:`bits_float` undoes it."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
 
 
 def bits_float(i: int) -> float:
-    """The float64 whose bits the int64 ``i`` holds."""
-    value: float = struct.unpack("<d", struct.pack("<q", i))[0]
-    return value
+    return float(struct.unpack("<d", struct.pack("<q", i))[0])
 
 
 @dataclass
@@ -166,9 +156,7 @@ def encode(msg: Message) -> list[Buffer]:
 
 
 def _buf(frame: Buffer) -> memoryview:
-    if hasattr(frame, "buffer"):  # zmq.Frame
-        return memoryview(frame.buffer)
-    return memoryview(frame)
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame)  # zmq.Frame, or a buffer
 
 
 def decode(frames: Sequence[Buffer]) -> Message:
@@ -211,20 +199,7 @@ def error_reply(request: Message, exc: BaseException) -> Message:
 
 # -- tensors <-> frames (torch imported lazily) --------------------------------------------------
 
-DTYPES = (
-    "float32",
-    "float64",
-    "float16",
-    "bfloat16",
-    "int8",
-    "uint8",
-    "int16",
-    "int32",
-    "int64",
-    "bool",
-    "complex64",
-    "complex128",
-)
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool", "complex64", "complex128")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

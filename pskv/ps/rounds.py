@@ -1,26 +1,17 @@
 """A server's parts and their rounds, as a pure state machine: no sockets, no threads.
 
-The server (:mod:`pskv.ps.server`) decodes each request into tensors and hands it to
-:class:`Rounds`; every method checks the whole request before it changes anything, and returns
-the :class:`Answer`\\s to send now. A request that waits (a pull for a round still open, a
-push in shared memory not merged yet, an INIT whose value has not arrived) is kept here and
-answered by whichever later call completes it. A backup server feeds the same engine.
+Every method of :class:`Rounds` takes one decoded request, checks all of it before changing
+anything, and returns the :class:`Answer`\\s to send now; what waits (a pull for an open round,
+a push in shared memory not merged yet, an INIT before worker 0's value) is answered by the call
+that completes it. Per part (a slice of a key, ``rows x row_numel``):
 
-Per part (a slice of a key, :mod:`pskv.ps.partition`), values kept as ``rows x row_numel``:
-
-- **INIT**: every worker declares the part; worker 0's INIT brings the value. A worker's INIT
-  is answered once the value is there, so every worker's first pull sees worker 0's weights.
-- **PUSH**, sync: each worker's pushes queue; a round completes when every worker has one
-  queued: they are summed, the optimizer runs (or the sum replaces the value), and the pulls
-  that wait for that round are answered. A worker's second push waits for the next round.
-  Async: applied on arrival (needs an optimizer). A push carries its round (the worker's count
-  of its pushes of the part): one seen before is acknowledged and not applied again, and in
-  sync mode a round skipped is an error.
-- **PULL** for round r (the pushes of the part its worker has sent): answered once r rounds are
-  complete, with the stored value itself (it cannot change before that worker pushes again);
-  async: at once, a snapshot.
-- A worker that **finishes** (closes its store) fails at once every round that still needs it;
-  :meth:`Rounds.expire` fails what waited longer than the timeout, naming who is missing.
+- INIT: every worker declares the part, worker 0's brings the value; each is answered once it is there.
+- PUSH (sync): pushes queue per worker; when every worker has one, they are summed and applied
+  (optimizer or assignment) and the pulls waiting for that round are answered. A push carries its
+  round: one seen before is acknowledged, not applied again. Async: applied on arrival.
+- PULL for round r: answered once r rounds are complete, with the stored value itself (it cannot
+  change before that worker pushes again); async: at once, a snapshot.
+- A worker that finishes fails every round that needs it; :meth:`Rounds.expire` what waited too long.
 """
 
 from __future__ import annotations
@@ -53,7 +44,7 @@ PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
 
 @dataclass(eq=False)
 class Answer:
-    """What to send for one entry of a request (``entry`` -1: the whole request)."""
+    """What to send for one entry of a request."""
 
     req: Any  # who asked: the server's handle, opaque here
     entry: int = -1
@@ -64,7 +55,7 @@ class Answer:
 
 @dataclass(eq=False)
 class Waiting:
-    """An entry of a request kept until something happens (its round, its value)."""
+    """An entry of a request kept until its round or its value comes."""
 
     req: Any
     entry: int
@@ -153,7 +144,7 @@ class Rounds:
         self.finished: set[int] = set()  # workers that closed their store
 
     def part(self, key: int, index: int) -> Part:
-        """The part ``(key, index)`` with its value; :class:`KeyNotInitializedError` if there is none yet."""
+        """The part ``(key, index)``, with its value (else :class:`KeyNotInitializedError`)."""
         p = self.parts.get((key, index))
         if p is None or p.value is None:
             raise KeyNotInitializedError(f"key {key} part {index} was never initialised on this server")
@@ -380,9 +371,8 @@ class Rounds:
     # -- optimizer ----------------------------------------------------------------------------------
 
     def set_optimizer(self, desc: Any, keep_states: bool) -> None:
-        """Install the optimizer ``desc`` describes. The same description again changes nothing;
-        ``keep_states`` (the worker passed the same optimizer object again, with new
-        hyperparameters) keeps the states; otherwise they start afresh."""
+        """Install the optimizer ``desc`` describes (the same again: nothing changes); its states
+        are kept with ``keep_states`` (new hyperparameters), else they start afresh."""
         new = Optimizer.from_description(desc)
         cur = self.optimizer
         if cur is not None and cur.describe() == new.describe():
@@ -401,7 +391,7 @@ class Rounds:
         return [(p, opt.states[p.state_key]) for p in self.parts.values() if p.state_key in opt.states]
 
     def load_states(self, desc: Any, num_update: int, entries: Iterable[tuple[Part, int, dict[str, Tensor]]]) -> None:
-        """Install saved states (checked against the optimizer first); an optimizer is set from ``desc`` if there is none."""
+        """Install saved states, all checked first (an optimizer is set from ``desc`` if there is none)."""
         opt = self.optimizer if self.optimizer is not None else Optimizer.from_description(desc)
         if opt.name != desc.get("name"):
             raise OptimizerError(f"the states are for {desc.get('name')!r} but the servers run {opt.name!r}")
@@ -417,9 +407,8 @@ class Rounds:
 def _sum_into(out: Tensor, grads: list[Tensor]) -> Tensor:
     """``out = sum(grads)`` without temporaries."""
     if len(grads) == 1:
-        out.copy_(grads[0])
-    else:
-        torch.add(grads[0], grads[1], out=out)
-        for g in grads[2:]:
-            out.add_(g)
+        return out.copy_(grads[0])
+    torch.add(grads[0], grads[1], out=out)
+    for g in grads[2:]:
+        out.add_(g)
     return out

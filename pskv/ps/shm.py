@@ -1,27 +1,19 @@
 """Shared memory between nodes on one host, and the whole protocol of using it.
 
-An :class:`Arena` is an anonymous memory file (``memfd_create``) mapped into this process and
-carved into slots. A peer on the same host maps it through ``/proc/<pid>/fd/<fd>``: no names
-in ``/dev/shm``, so nothing leaks when a process dies. Each arena starts with a header holding a
-magic string and a random token, checked before any slot is used.
+An :class:`Arena` is an anonymous memory file (``memfd_create``), carved into slots; a peer on
+the host maps it through ``/proc/<pid>/fd/<fd>`` (nothing named in ``/dev/shm``: nothing leaks
+when a process dies). Its header holds a magic string and a random token, checked first.
 
-The protocol, worker <-> server (:mod:`pskv.kv.dist`, :mod:`pskv.ps.server`):
-
-1. At connection time, when the node table says both run on one host (same boot and pid
-   namespace), the worker sends SHM_PROBE with :meth:`Shared.probe` of its arena; the server maps
-   it with :meth:`Shared.accept` (the pid must be the worker's registered one, the token must
-   match) and answers with its own, which the worker accepts in turn. If anything fails the
-   pair uses TCP (``PSKV_SHM=1``: it is an error instead).
-2. Push: the worker sums its device values straight into its own slot of the part and sends
-   only the PUSH row (fd, offset). The server reads the slot when it merges the round and
-   acknowledges the push only then (:class:`pskv.ps.rounds.PushEntry` ``ack_when_merged``):
-   until that answer the worker does not write the slot again.
-3. Pull: the server keeps every value in its arenas and answers with (fd, offset, nbytes); the
-   worker copies the bytes out. The value cannot change before that worker pushes again, which
-   it does only after it read the answer.
-
-``PSKV_SHM``: ``auto`` (default: use shared memory with every peer the probe succeeds with),
-``0`` (never), ``1`` (require it: a failed probe is an error).
+1. At connection, when the node table puts both on one host (same boot and pid namespace), the
+   worker sends SHM_PROBE with :meth:`Shared.probe`; the server maps it (:meth:`Shared.accept`:
+   the pid must be the registered one, the token must match) and answers with its own. If
+   anything fails the pair uses TCP (``PSKV_SHM=1``: an error; ``0``: never shared; ``auto``).
+2. Push: the worker sums its device values into its slot of the part and sends only the row
+   (fd, offset); the server acknowledges it once it merged the round (``ack_when_merged``), and
+   until then the worker does not write the slot again.
+3. Pull: values live in the server's arenas; the answer is (fd, offset, nbytes) and the worker
+   copies the bytes out. They cannot change before that worker pushes again, which it does only
+   after reading them.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """The transport: a :class:`Van` moves messages between this node and its peers, over zmq.
 
-A node *listens* on one endpoint (servers and the scheduler; clients reach it there) and
-*connects* to the endpoints of the peers it talks to. Peers are named by strings: the name given
-to :meth:`Van.connect` for outgoing connections, and ``"client:<hex>"`` for a connection that
-reached our listening endpoint (replies go back to that name). A ROUTER socket listens, a
-DEALER per outgoing connection; payload frames are sent without copying. With ``inproc://``
-endpoints (one shared zmq context) a whole cluster runs inside one process, which the unit tests
-use.
-
-A van belongs to one thread, except :meth:`Van.wake` (any thread) and the connections opened
-with ``receive=False``, which one other thread may send on.
+A node listens on one endpoint (a ROUTER) and connects to its peers (a DEALER each). Peers are
+named by strings: the name given to :meth:`Van.connect`, or ``"client:<hex>"`` for a connection
+that reached our endpoint (replies go back to that name). Payloads are sent without copying.
+With ``inproc://`` endpoints a whole job runs in one process (the unit tests). A van belongs to
+one thread, except :meth:`Van.wake` and connections opened with ``receive=False``.
 """
 
 from __future__ import annotations
@@ -73,12 +68,8 @@ class Van:
         return bound.decode() if isinstance(bound, bytes) else str(bound)
 
     def connect(self, peer: str, endpoint: str, receive: bool = True) -> None:
-        """Open a connection named ``peer`` to ``endpoint``.
-
-        A connection with ``receive=False`` is only sent on, and may be used by a thread other
-        than the van's owner (one at a time): a worker's calling thread sends requests on one,
-        while the answers come back on another connection, which the I/O thread polls.
-        """
+        """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
+        (by one thread at a time, not necessarily the van's owner)."""
         if peer in self._dealers:
             raise RuntimeError(f"already connected to {peer}")
         sock = self._socket(zmq.DEALER)
@@ -89,12 +80,9 @@ class Van:
             self._poller.register(sock, zmq.POLLIN)
 
     def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
-        """Queue ``msg`` for ``peer`` and return; payload buffers must stay unchanged until sent.
-
-        Never blocks: a peer that cannot take the message raises :class:`PeerUnreachable`. With
-        ``track``, returns ``wait(timeout) -> bool``, true once the payload buffers are no
-        longer needed (the bytes are with the kernel), so the caller may reuse them.
-        """
+        """Queue ``msg`` for ``peer`` and return (payload buffers must stay unchanged until sent);
+        :class:`PeerUnreachable` if it cannot take it. With ``track``, returns ``wait(timeout) ->
+        bool``, true once the payload buffers may be reused."""
         frames = encode(msg)
         try:
             if peer.startswith("client:"):
@@ -120,11 +108,8 @@ class Van:
         return wait
 
     def recv(self, timeout: float) -> list[Received]:
-        """Messages that arrived, waiting up to ``timeout`` seconds for the first (or a wake-up).
-
-        A message that does not decode is returned as a :class:`ProtocolError` so the owner can
-        answer its sender.
-        """
+        """Messages that arrived, waiting up to ``timeout`` s for the first (or a wake-up); one
+        that does not decode comes as a :class:`ProtocolError`, so its sender can be answered."""
         out: list[Received] = []
         for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
             if isinstance(sock, int):
