@@ -1,35 +1,18 @@
 """The Trainer: gradients summed over devices and workers, then one optimizer step.
 
-It works with any store. ``trainer.step(batch_size)`` after ``loss.backward()``:
+``trainer.step(batch_size)`` after ``loss.backward()`` scales by ``1 / batch_size`` (this
+worker's batch: the gradients of W workers' batches are summed, as in MXNet), then either pushes
+the gradients (one per device replica) and pulls the weights the store's optimizer updated
+(``update_on_kvstore``, the default for dist stores), or sums them through the store and updates
+here (``allreduce_grads`` + ``update``). Keys are the parameters' order, or their names with
+``named_parameters()``; shared tensors are trained once, frozen ones left alone; one iterable per
+device replica trains several devices in one process. BatchNorm statistics stay per worker.
 
-1. multiplies the optimizer's ``rescale_grad`` by ``1 / batch_size`` (``batch_size`` is this
-   worker's batch; with W workers the gradients of W batches are summed, as MXNet did);
-2. with ``update_on_kvstore`` (the default for dist stores): pushes every gradient (a list, one
-   per device replica) and pulls the updated weights into every replica: the optimizer runs on
-   the store (on the servers for dist types);
-3. otherwise: push + pull of the gradients (``allreduce_grads``), then the optimizer updates the
-   first replica's weights here and the others receive a copy (``update``).
-
-**Overlap** (``overlap=True``; by default on for a dist store whose parameters are on a GPU or
-whose servers are on other hosts): every gradient is pushed from an autograd hook as soon as it
-is ready during ``backward`` (the last layers' first, as backward produces them), so the
-exchange runs while the rest of backward computes; ``step`` pushes only what backward did not
-(parameters unused in the step), sends the pulls and returns; each layer's new weights are waited
-for just before that layer's next forward (a forward pre-hook), so the pulls overlap the next
-forward. The servers merge each round as its pushes arrive and apply it with the rescale that
-``step(batch_size)`` sends with its pulls, so the numbers are those of the plain path.
-Gradient accumulation: run every backward but the last inside ``with trainer.no_sync():``.
-Read the weights outside a forward (saving them, evaluating with functional code) after
-``trainer.synchronize()``.
-
-Parameters come from ``model.parameters()`` (keys 0, 1, ...) or ``model.named_parameters()``
-(keys are the names); a parameter shared by two modules is trained once; frozen parameters
-(``requires_grad=False``) are left alone. For several devices in one process pass one such
-iterable per replica: ``Trainer([m.parameters() for m in replicas], ...)``. Every replica and
-every worker starts from the same weights (worker 0's first replica's).
-
-BatchNorm running statistics are buffers, not parameters: they stay per worker and per replica,
-as in the tutorials.
+With ``overlap`` (on by default for a dist store with GPU parameters or remote servers) the
+gradients leave from autograd hooks during backward and each layer waits for its new weights
+just before its next forward; docs/DESIGN.md says how the numbers stay those of the plain path.
+Accumulate gradients inside ``with trainer.no_sync():``; call ``trainer.synchronize()`` before
+reading the weights outside a forward.
 
 >>> trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="dist_sync")
 >>> loss(net(x), y).backward(); trainer.step(batch_size=x.shape[0])
@@ -61,51 +44,34 @@ def _one_replica(params: Any) -> tuple[list[Key], list[Tensor]]:
     """Keys and tensors of one replica's parameters (shared and frozen ones dropped)."""
     if isinstance(params, Tensor):
         raise TrainerError("params must be an iterable of tensors (model.parameters()), not one tensor")
-    items = list(params.items()) if isinstance(params, Mapping) else list(params)
-    named = bool(items) and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items)
-    pairs: list[tuple[Optional[str], Any]]
-    if named:
-        pairs = [(str(n), t) for n, t in items]
-    elif all(isinstance(i, Tensor) for i in items):
-        pairs = [(None, t) for t in items]
-    else:
-        raise TrainerError("params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica")
     keys: list[Key] = []
     tensors: list[Tensor] = []
     seen: set[int] = set()
-    for name, t in pairs:
+    for item in params.items() if isinstance(params, Mapping) else params:
+        name, t = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (None, item)
         if not isinstance(t, Tensor):
-            raise TrainerError(f"parameter {name!r} is a {type(t).__name__}, not a tensor")
-        if id(t) in seen or not t.requires_grad:
-            continue
-        seen.add(id(t))
-        keys.append(name if name is not None else len(keys))
-        tensors.append(t)
+            raise TrainerError(f"params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica, got {t!r:.60}")
+        if t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            keys.append(name if name is not None else len(keys))
+            tensors.append(t)
     return keys, tensors
 
 
 def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     """Keys and, per device replica, the tensors (one replica unless a list of them is given)."""
-    if isinstance(params, Mapping):
-        groups: list[Any] = [params]
-    else:
-        items = list(params)
-        if not items:
-            raise TrainerError("the Trainer got no parameters")
-        one = all(isinstance(i, Tensor) for i in items) or all(
-            isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in items
-        )
-        groups = [items] if one else items
-    keys, first = _one_replica(groups[0])
+    groups = [params] if isinstance(params, Mapping) else list(params)
+    if not groups:
+        raise TrainerError("the Trainer got no parameters")
+    if all(isinstance(g, (Tensor, tuple)) for g in groups):
+        groups = [groups]  # one replica
+    (keys, first), *others = [_one_replica(g) for g in groups]
     if not first:
         raise TrainerError("every parameter is frozen (requires_grad=False): nothing to train")
-    replicas = [first]
-    for g in groups[1:]:
-        k, ts = _one_replica(g)
+    for k, ts in others:
         if k != keys or [t.shape for t in ts] != [t.shape for t in first]:
             raise TrainerError("every device replica must have the same parameters, in the same order and shapes")
-        replicas.append(ts)
-    return keys, replicas
+    return keys, [first, *(ts for _, ts in others)]
 
 
 def _remove(hooks: list[Any]) -> None:
