@@ -20,7 +20,6 @@ A process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` serves instead (see
 
 from __future__ import annotations
 
-import atexit
 import sys
 import weakref
 from typing import Any, Callable, Optional
@@ -51,13 +50,11 @@ def create_dist(name: str, environ: Optional[dict[str, str]] = None) -> KVStore:
     return DistStore(name, env)
 
 
-def _close_at_exit(ref: weakref.ReferenceType[DistStore]) -> None:
-    store = ref()
-    if store is not None:
-        try:
-            store.close()
-        except Exception as exc:  # exiting anyway; say why the job may see this worker as failed
-            print(f"pskv: closing the store at exit failed: {exc}", file=sys.stderr)
+def _close(client: WorkerClient) -> None:
+    try:
+        client.close()
+    except Exception as exc:  # exiting anyway; say why the job may see this worker as failed
+        print(f"pskv: closing the store failed: {exc}", file=sys.stderr)
 
 
 class DistStore(KVStore):
@@ -68,7 +65,8 @@ class DistStore(KVStore):
         self._async = type_name == "dist_async"
         self._on_device = type_name == "dist_device_sync"
         self._client = WorkerClient(env)
-        self._atexit = atexit.register(_close_at_exit, weakref.ref(self))
+        # a store that is dropped, or alive at exit, is closed: the job learns this worker is done
+        self._closer = weakref.finalize(self, _close, self._client)
         try:
             self._client.start()
         except BaseException:
@@ -434,5 +432,4 @@ class DistStore(KVStore):
         return self._client.barrier("worker", value)
 
     def _close_impl(self) -> None:
-        atexit.unregister(self._atexit)
-        self._client.close()
+        self._closer()

@@ -284,3 +284,21 @@ def test_every_role_can_run_the_users_script(tmp_path: Path) -> None:
     printed = sorted(o for o, _ in outs[2:])
     assert printed == ["worker 0 pulled [3.0, 3.0, 3.0]\n", "worker 1 pulled [3.0, 3.0, 3.0]\n"], outs
     assert outs[0][0] == "" and outs[1][0] == ""  # the serving roles never reached the user's code
+
+
+def test_a_store_dropped_without_close_still_finishes_the_job(tmp_path: Path) -> None:
+    """A worker that lets its store go (out of scope, or alive at exit) without close() is done:
+    the scheduler hears it finished, and the job ends cleanly (not at the heartbeat deadline)."""
+    script = """
+    import gc, time, torch, pskv
+    def work():
+        kv = pskv.kv.create("dist_sync")
+        kv.init(0, torch.ones(2))
+        kv.pushpull(0, torch.ones(2))
+    work()
+    gc.collect()
+    print("dropped", flush=True)
+    time.sleep(1.0)  # the job must not fail meanwhile: the store said it finished
+    """
+    res = launch(tmp_path, script, 2, 1, env={"PSKV_HEARTBEAT_TIMEOUT": "6"})
+    assert res.code == 0 and res.stdout.count("dropped") == 2, res

@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Training step time, pskv against plain PyTorch and DDP in the same run (GPU or CPU).
+
+The workload of issue 8: the d2l CIFAR ResNet-18, batch ``--batch`` per worker, synthetic data
+already on the device, SGD momentum 0.9. Every configuration in one invocation:
+
+- ``plain``: one process, ``torch.optim.SGD`` (foreach);
+- ``pskv local``: one process, ``pskv.Trainer`` without a store;
+- ``pskv 1x1`` and ``pskv WxS``: ``pskv launch`` of W workers and S servers (``dist_device_sync``,
+  the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
+- ``ddp``: W processes of DistributedDataParallel over gloo on the same device.
+
+For each: samples/s (all workers), ms per step, and for pskv the time exposed after backward
+(``step`` plus the waits before each layer's forward, from the Trainer's timeline spans).
+
+    python benchmarks/train_step.py --device cuda --batch 128 [-n 2 -s 2] [--steps 30]
+    python benchmarks/train_step.py --device cpu --batch 16 --steps 5      # a quick check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One training process of configuration ``args.config``; rank 0 writes its numbers to ``args.out``."""
+    import torch
+    import torch.nn.functional as F
+
+    import pskv
+    from pskv.app.models import resnet18
+    from pskv.ps import timeline
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    net = resnet18(10).to(device)
+    x = torch.randn(args.batch, 3, 32, 32, device=device)
+    y = torch.randint(0, 10, (args.batch,), device=device)
+    rank, world = 0, 1
+    if args.config == "ddp":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(net)
+    else:
+        model = net
+    hyper = {"learning_rate": 0.01, "momentum": 0.9}
+    if args.config in ("plain", "ddp"):
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, foreach=True)
+        trainer = None
+    else:
+        kv = pskv.kv.create("dist_device_sync") if args.config == "pskv" else None
+        overlap = {"on": True, "off": False}.get(args.overlap) if kv is not None else None
+        trainer = pskv.Trainer(net.parameters(), "sgd", hyper, kvstore=kv, overlap=overlap)
+        rank, world = (kv.rank, kv.num_workers) if kv is not None else (0, 1)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, exposed = [], []
+    for step in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        if trainer is None:
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        else:
+            net.zero_grad(set_to_none=True)
+            loss.backward()
+            sync()
+            t1 = time.perf_counter()
+            trainer.step(1)
+        sync()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            if trainer is not None:
+                exposed.append(time.perf_counter() - t1)
+    if trainer is not None:
+        trainer.synchronize()
+    result = {"step_s": sorted(times)[len(times) // 2], "world": world}
+    if exposed:  # step() after backward, plus the next forward's waits for weights (timeline spans)
+        result["after_backward_s"] = sorted(exposed)[len(exposed) // 2]
+    if timeline.on:
+        waits = [e["dur"] / 1e6 for e in timeline._events if e.get("ph") == "X" and e["name"].startswith("wait ")]
+        result["waits_per_step_s"] = sum(waits) / max(1, args.warmup + args.steps)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps(result))
+
+
+def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
+              "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
+        env = {**os.environ, "PSKV_TIMELINE": str(Path(tmp) / "t.json")}
+        if config == "pskv":
+            cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
+        elif config == "ddp":
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            procs = [subprocess.Popen(me, env={**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
+                                               "WORLD_SIZE": str(workers)}) for r in range(workers)]  # fmt: skip
+            if any(p.wait() for p in procs):
+                raise SystemExit("a DDP process failed")
+            return json.loads(out.read_text())  # type: ignore[no-any-return]
+        else:
+            cmd = me
+        subprocess.run(cmd, check=True, env=env)
+        return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("-n", "--workers", type=int, default=2)
+    p.add_argument("-s", "--servers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--json", type=Path, default=HERE / "results" / "train_step.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(argparse.Namespace(**{**vars(args), "config": args.worker}))
+        return 0
+    w, s = args.workers, args.servers
+    rows = {
+        "plain": run(args, "plain", 1, 0),
+        "pskv local": run(args, "local", 1, 0),
+        "pskv 1x1": run(args, "pskv", 1, 1),
+        f"pskv {w}x{s}": run(args, "pskv", w, s),
+        f"ddp x{w} (gloo)": run(args, "ddp", w, 0),
+    }
+    base, ddp = rows["plain"], rows[f"ddp x{w} (gloo)"]
+    print(f"ResNet-18, batch {args.batch} per worker, {args.device}, median of {args.steps} steps")
+    print(f"{'':18}{'samples/s':>11}{'ms/step':>9}{'after bwd':>11}{'/ plain':>9}{'/ ddp':>8}")
+    for name, r in rows.items():
+        sps = r["world"] * args.batch / r["step_s"]
+        after = f"{1000 * r['after_backward_s']:.1f}" if "after_backward_s" in r else "-"
+        r["samples_per_s"] = sps
+        print(f"{name:18}{sps:>11.0f}{1000 * r['step_s']:>9.1f}{after:>11}"
+              f"{sps / (args.batch / base['step_s']):>9.2f}{sps / (ddp['world'] * args.batch / ddp['step_s']):>8.2f}")  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"device": args.device, "batch": args.batch, "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
