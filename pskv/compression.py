@@ -16,8 +16,6 @@ gradient not sent yet, added to the next push. With ``r`` the residual and ``g``
 >>> wire = codec.encode(torch.tensor([0.6, -0.2, -0.7, 0.1]), residual)
 >>> codec.decode(wire, 4, torch.float32)
 tensor([ 0.5000,  0.0000, -0.5000,  0.0000])
-
-This module imports nothing else from pskv.
 """
 
 from __future__ import annotations
@@ -31,14 +29,16 @@ from torch import Tensor
 from .errors import CompressionError
 
 TYPES = ("1bit", "2bit", "bf16", "fp16")
+_CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Codec:
     """One compression type with its parameters; stateless (residuals are passed in)."""
 
-    type: str = "none"
-    threshold: float = 0.0
-    wire_dtype: torch.dtype = torch.int32  # dtype of the tensor encode() returns
+    def __init__(self, kind: str, threshold: float = 0.0):
+        self.type = kind
+        self.threshold = threshold
+        self.wire_dtype = _CASTS.get(kind, torch.int32)  # the dtype of what encode() returns
 
     @staticmethod
     def create(params: Mapping[str, Any]) -> Codec:
@@ -49,36 +49,55 @@ class Codec:
         extra = set(params) - {"type", "threshold"}
         if extra:
             raise CompressionError(f"unknown compression parameter(s) {sorted(extra)}; known: type, threshold")
-        if kind in ("2bit", "1bit"):
-            t = params.get("threshold", 0.5 if kind == "2bit" else 0.0)
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
-                raise CompressionError(f"{kind} threshold must be a number, got {t!r}")
-            if kind == "2bit" and t <= 0:
-                raise CompressionError(f"2bit threshold must be > 0, got {t}")
-            return _TwoBit(float(t)) if kind == "2bit" else _OneBit(float(t))
-        if kind in ("fp16", "bf16"):
+        if kind in _CASTS:
             if "threshold" in params:
                 raise CompressionError(f"{kind} compression takes no threshold")
-            return _Cast(torch.float16 if kind == "fp16" else torch.bfloat16, kind)
-        raise CompressionError(f"unknown compression type {kind!r}; known: {', '.join(TYPES)}")
+            return Codec(kind)
+        if kind not in ("2bit", "1bit"):
+            raise CompressionError(f"unknown compression type {kind!r}; known: {', '.join(TYPES)}")
+        t = params.get("threshold", 0.5 if kind == "2bit" else 0.0)
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
+            raise CompressionError(f"{kind} threshold must be a number, got {t!r}")
+        if kind == "2bit" and t <= 0:
+            raise CompressionError(f"2bit threshold must be > 0, got {t}")
+        return Codec(kind, float(t))
 
     def describe(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": self.type}
-        if self.type in ("1bit", "2bit"):
-            d["threshold"] = self.threshold
-        return d
+        return {"type": self.type} if self.type in _CASTS else {"type": self.type, "threshold": self.threshold}
 
     def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
-        """Fold ``grad`` into ``residual`` (in place) and return the wire tensor."""
-        raise NotImplementedError
+        """Fold ``grad`` into ``residual`` (in place), take out what is sent, return the wire tensor."""
+        r = residual.view(-1)
+        r.add_(grad.reshape(-1).to(r.dtype))
+        t = self.threshold
+        if self.type == "2bit":
+            pos, neg = r >= t, r <= -t
+            r.sub_(pos.to(r.dtype) * t).add_(neg.to(r.dtype) * t)
+            return _pack(pos.to(torch.int64) | (neg.to(torch.int64) << 1), 2)  # 0: zero, 1: +t, 2: -t
+        if self.type == "1bit":
+            pos = r > t
+            r.sub_(pos.to(r.dtype) * 2 - 1)
+            return _pack(pos.to(torch.int64), 1)
+        sent = r.to(self.wire_dtype)
+        r.sub_(sent.to(r.dtype))
+        return sent
 
     def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""
-        raise NotImplementedError
+        if self.type == "2bit":
+            codes = _unpack(wire, 2, numel)
+            out = torch.zeros(numel, dtype=dtype, device=wire.device)
+            out[codes == 1] = self.threshold
+            out[codes == 2] = -self.threshold
+            return out
+        if self.type == "1bit":
+            return (_unpack(wire, 1, numel) * 2 - 1).to(dtype)
+        return wire.reshape(-1).to(dtype)
 
     def wire_numel(self, numel: int) -> int:
         """How many elements the wire tensor of a ``numel``-element gradient has."""
-        raise NotImplementedError
+        per_word = {"2bit": 16, "1bit": 32}.get(self.type, 1)
+        return -(-numel // per_word)
 
     def roundtrip(self, grad: Tensor, residual: Tensor) -> Tensor:
         """``decode(encode(grad))`` shaped like ``grad``: what the receiver will see."""
@@ -105,77 +124,8 @@ def _unpack(words: Tensor, bits: int, n: int) -> Tensor:
     return codes.reshape(-1)[:n]
 
 
-class _TwoBit(Codec):
-    type = "2bit"
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-
-    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
-        r = residual.view(-1)
-        r.add_(grad.reshape(-1).to(r.dtype))
-        pos = r >= self.threshold
-        neg = r <= -self.threshold
-        r.sub_(pos.to(r.dtype) * self.threshold).add_(neg.to(r.dtype) * self.threshold)
-        codes = pos.to(torch.int64) | (neg.to(torch.int64) << 1)  # 0: zero, 1: +t, 2: -t
-        return _pack(codes, 2)
-
-    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-        codes = _unpack(wire, 2, numel)
-        out = torch.zeros(numel, dtype=dtype, device=wire.device)
-        out[codes == 1] = self.threshold
-        out[codes == 2] = -self.threshold
-        return out
-
-    def wire_numel(self, numel: int) -> int:
-        return -(-numel // 16)
-
-
-class _OneBit(Codec):
-    type = "1bit"
-
-    def __init__(self, threshold: float):
-        self.threshold = threshold
-
-    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
-        r = residual.view(-1)
-        r.add_(grad.reshape(-1).to(r.dtype))
-        pos = r > self.threshold
-        r.sub_(pos.to(r.dtype) * 2 - 1)
-        return _pack(pos.to(torch.int64), 1)
-
-    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-        bits = _unpack(wire, 1, numel)
-        return (bits * 2 - 1).to(dtype)
-
-    def wire_numel(self, numel: int) -> int:
-        return -(-numel // 32)
-
-
-class _Cast(Codec):
-    def __init__(self, wire_dtype: torch.dtype, name: str):
-        self.wire_dtype = wire_dtype
-        self.type = name
-
-    def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
-        r = residual.view(-1)
-        r.add_(grad.reshape(-1).to(r.dtype))
-        sent = r.to(self.wire_dtype)
-        r.sub_(sent.to(r.dtype))
-        return sent
-
-    def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
-        return wire.reshape(-1).to(dtype)
-
-    def wire_numel(self, numel: int) -> int:
-        return numel
-
-
 class Compressor:
-    """A codec plus the residuals of one store, kept per ``(key, device index)``.
-
-    Not thread-safe; the store calls it under its own lock.
-    """
+    """A codec plus one store's residuals per ``(key, device index)``; the store's lock guards it."""
 
     def __init__(self, params: Mapping[str, Any]):
         self.codec = Codec.create(params)

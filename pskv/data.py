@@ -1,15 +1,9 @@
-"""Data helpers for data-parallel training: which samples a worker reads, and splitting a batch over devices.
-
-- :class:`SplitSampler`: worker ``part_index`` of ``num_parts`` reads the contiguous slice
-  ``[i*L, (i+1)*L)`` (``L = length // num_parts``), reshuffled every epoch with a seed all workers share.
-- :func:`split_and_load`: cut a batch along its batch axis into one part per device.
+"""Data helpers for data-parallel training: which samples a worker reads, and splitting a batch
+over devices. Both are deterministic given their arguments, so every worker computes the same
+split of the data without talking to the others (data sets and models are in ``pskv.app``).
 
 >>> sampler = pskv.data.SplitSampler(len(dataset), num_parts=kv.num_workers, part_index=kv.rank)
 >>> loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
-
-Both are deterministic given their arguments, so every worker computes the same split of the data
-without talking to the others. Data sets, transforms and models are the training application's:
-``pskv.app.datasets`` and ``pskv.app.models``.
 """
 
 from __future__ import annotations
@@ -30,47 +24,29 @@ class SplitSampler(Sampler[int]):
     """Indices of one worker's part of a data set, reshuffled each epoch.
 
     Part ``i`` is ``[i*L, (i+1)*L)`` with ``L = length // num_parts``; the last ``length % num_parts``
-    samples are never used, so every worker runs the same number of batches (a synchronous store
-    waits for every worker each round, and a worker with one batch more would wait forever).
-
-    With ``shuffle=True`` the part is permuted by a ``torch.Generator`` seeded with ``seed + epoch``;
-    all workers pass the same ``seed``, so a run is reproducible. Each ``iter()`` uses the current
-    epoch and then advances it by one, so a loop that never calls :meth:`set_epoch` still sees a new
-    order every epoch (as the tutorials' ``random.shuffle`` gave); ``set_epoch(e)`` fixes the epoch
-    the next ``iter()`` uses, as with ``torch``'s ``DistributedSampler``.
+    samples are never used, so every worker runs the same number of batches (in a synchronous
+    store a worker with one batch more would wait forever). ``shuffle`` permutes the part with a
+    generator seeded with ``seed + epoch``; each ``iter()`` uses the current epoch and advances it.
 
     >>> s = SplitSampler(10, num_parts=3, part_index=1, shuffle=False)
     >>> list(s), len(s)
     ([3, 4, 5], 3)
-    >>> s = SplitSampler(60000, num_parts=2, part_index=rank, seed=42); s.set_epoch(epoch)
     """
 
-    def __init__(
-        self, length: int, num_parts: int = 1, part_index: int = 0, shuffle: bool = True, seed: int = 0
-    ) -> None:
+    def __init__(self, length: int, num_parts: int = 1, part_index: int = 0, shuffle: bool = True, seed: int = 0) -> None:
         if num_parts < 1:
             raise ValueError(f"num_parts must be >= 1, got num_parts={num_parts}")
         if not 0 <= part_index < num_parts:
-            raise ValueError(
-                f"part_index must be in [0, num_parts) = [0, {num_parts}), got part_index={part_index}"
-            )
+            raise ValueError(f"part_index must be in [0, num_parts) = [0, {num_parts}), got part_index={part_index}")
         if length < num_parts:
-            raise ValueError(
-                f"length must be >= num_parts ({num_parts}) so that every part has a sample, "
-                f"got length={length}"
-            )
-        self.length = length
-        self.num_parts = num_parts
-        self.part_index = part_index
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
+            raise ValueError(f"length must be >= num_parts ({num_parts}) so that every part has a sample, got length={length}")
+        self.length, self.num_parts, self.part_index = length, num_parts, part_index
+        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
         self.part_len = length // num_parts
-        self.start = self.part_len * part_index
-        self.end = self.start + self.part_len
+        self.start, self.end = self.part_len * part_index, self.part_len * (part_index + 1)
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next ``iter()`` produce epoch ``epoch``'s order."""
+        """Make the next ``iter()`` produce epoch ``epoch``'s order (as ``DistributedSampler``)."""
         self.epoch = epoch
 
     def indices(self, epoch: int) -> list[int]:
@@ -90,17 +66,12 @@ class SplitSampler(Sampler[int]):
         return self.part_len
 
 
-def split_and_load(
-    batch: Tensor, devices: Sequence[DeviceLike], batch_axis: int = 0, even_split: bool = True
-) -> list[Tensor]:
-    """Split ``batch`` along ``batch_axis`` into ``len(devices)`` parts; part ``i`` goes to ``devices[i]``.
+def split_and_load(batch: Tensor, devices: Sequence[DeviceLike], batch_axis: int = 0, even_split: bool = True) -> list[Tensor]:
+    """Split ``batch`` along ``batch_axis`` into one part per device (views on the batch's own device).
 
-    With ``even_split=True`` the size along the axis must be a multiple of the number of devices
-    (else ``ValueError``); with ``False`` the first ``size % n`` parts get one row more. A size
-    smaller than the number of devices is a ``ValueError`` either way (a device with no data would
-    produce no gradient), as in MXNet. The parts are views when a device is the batch's own.
+    With ``even_split`` the size must be a multiple of ``len(devices)``, else the first ``size % n``
+    parts get one row more; fewer rows than devices is a ``ValueError`` either way, as in MXNet.
 
-    >>> x0, x1 = split_and_load(torch.arange(10), ["cpu", "cpu"])          # 5 rows each
     >>> [len(p) for p in split_and_load(torch.arange(7), ["cpu"] * 3, even_split=False)]
     [3, 2, 2]
     """
@@ -111,10 +82,8 @@ def split_and_load(
         return [batch.to(devices[0])]
     size = batch.shape[batch_axis]
     if size < n:
-        raise ValueError(
-            f"cannot split a batch of size {size} (axis {batch_axis}) over {n} devices: "
-            f"at least one row per device is needed"
-        )
+        needed = "at least one row per device is needed"
+        raise ValueError(f"cannot split a batch of size {size} (axis {batch_axis}) over {n} devices: {needed}")
     if even_split and size % n != 0:
         raise ValueError(
             f"batch size {size} (axis {batch_axis}) is not divisible by the number of devices {n}; "

@@ -3,7 +3,7 @@
 ::
 
     PSKVError
-    ├── KVStoreError                  a store call was given something it cannot take
+    ├── KVStoreError                  a store call was given something it cannot take (the store stays usable)
     │   ├── KeyNotInitializedError    the key was never ``init``-ed
     │   ├── DuplicateInitError        the key was ``init``-ed before
     │   ├── KeyTypeError              a key that is not int/str, or int and str keys mixed
@@ -14,7 +14,7 @@
     │   ├── InvalidValueError         a value that is not a tensor (or list of tensors)
     │   ├── OptimizerRequiredError    ``dist_async`` push without a server-side optimizer
     │   └── StoreClosedError          a call after ``close()``
-    ├── OptimizerError                unknown optimizer or bad hyperparameter (also ``ValueError``)
+    ├── OptimizerError                unknown optimizer, bad hyperparameter or state file (also ``ValueError``)
     ├── CompressionError              bad gradient-compression parameters (also ``ValueError``)
     ├── TrainerError                  a Trainer given parameters or settings it cannot use
     ├── ClusterError                  the distributed system could not do what was asked
@@ -35,87 +35,30 @@ from collections.abc import Mapping
 from typing import Any
 
 
-class PSKVError(Exception):
-    """Base class of every pskv exception."""
+# The classes of the tree above; a builtin second base lets callers catch e.g. any bad value as ValueError.
+class PSKVError(Exception): ...
+class KVStoreError(PSKVError): ...
+class KeyNotInitializedError(KVStoreError): ...
+class DuplicateInitError(KVStoreError): ...
+class KeyTypeError(KVStoreError, TypeError): ...
+class ShapeMismatchError(KVStoreError, ValueError): ...
+class DTypeMismatchError(KVStoreError, TypeError): ...
+class SparseError(KVStoreError, ValueError): ...
+class ValueCountError(KVStoreError, ValueError): ...
+class InvalidValueError(KVStoreError, TypeError): ...
+class OptimizerRequiredError(KVStoreError): ...
+class StoreClosedError(KVStoreError): ...
+class OptimizerError(PSKVError, ValueError): ...
+class CompressionError(PSKVError, ValueError): ...
+class TrainerError(PSKVError, ValueError): ...
+class ClusterError(PSKVError): ...
+class DeadlineExceeded(ClusterError, TimeoutError): ...
+class NodeFailedError(ClusterError): ...
+class ProtocolError(ClusterError): ...
+class LaunchError(PSKVError): ...
 
 
-class KVStoreError(PSKVError):
-    """A store call was given something it cannot take; the store stays usable."""
-
-
-class KeyNotInitializedError(KVStoreError):
-    """The key was never ``init``-ed."""
-
-
-class DuplicateInitError(KVStoreError):
-    """The key was ``init``-ed before."""
-
-
-class KeyTypeError(KVStoreError, TypeError):
-    """A key that is not an int or str, or int and str keys mixed in one store."""
-
-
-class ShapeMismatchError(KVStoreError, ValueError):
-    """A value's shape differs from the shape the key was initialised with."""
-
-
-class DTypeMismatchError(KVStoreError, TypeError):
-    """A value's dtype differs from the dtype the key was initialised with."""
-
-
-class SparseError(KVStoreError, ValueError):
-    """Row-sparse misuse: a dense ``out`` for a row-sparse key, bad ``row_ids``, a bad layout."""
-
-
-class ValueCountError(KVStoreError, ValueError):
-    """Lists of keys, values, outputs or row ids whose lengths do not match (or are empty)."""
-
-
-class InvalidValueError(KVStoreError, TypeError):
-    """A value or output that is not a tensor or a list of tensors."""
-
-
-class OptimizerRequiredError(KVStoreError):
-    """``dist_async`` applies pushes on the servers, so it needs ``set_optimizer`` first."""
-
-
-class StoreClosedError(KVStoreError):
-    """The store was closed."""
-
-
-class OptimizerError(PSKVError, ValueError):
-    """Unknown optimizer name, unknown or invalid hyperparameter, bad state file."""
-
-
-class CompressionError(PSKVError, ValueError):
-    """Invalid gradient-compression parameters."""
-
-
-class TrainerError(PSKVError, ValueError):
-    """A Trainer given parameters or settings it cannot use (e.g. allreduce_grads with update_on_kvstore)."""
-
-
-class ClusterError(PSKVError):
-    """The distributed system could not complete a request."""
-
-
-class DeadlineExceeded(ClusterError, TimeoutError):
-    """A blocking call passed its deadline; the message says what is missing."""
-
-
-class NodeFailedError(ClusterError):
-    """A node (scheduler, server or worker) died or left the job."""
-
-
-class ProtocolError(ClusterError):
-    """A message that does not follow pskv's wire format."""
-
-
-class LaunchError(PSKVError):
-    """``pskv launch`` could not start the job or a process of it failed."""
-
-
-# -- what is missing: every error of SPEC section 9 ("never a silent hang") is worded here ------------
+# -- what is missing: every error of SPEC section 9 ("never a silent hang") is worded here --------
 
 
 def deadline(what: str, waited: float, setting: str, limit: float, missing: str) -> DeadlineExceeded:
@@ -146,17 +89,8 @@ def from_reply(meta: Any, context: str = "") -> PSKVError:
 
 
 def error_class(kind: str) -> type[PSKVError]:
-    """The exception class named ``kind`` (as sent by a server); ``ClusterError`` if unknown.
-
-    Only classes defined in this module are returned: a name received over the network
-    selects from this fixed table and is never evaluated.
-    """
-    cls = _BY_NAME.get(kind)
-    return cls if cls is not None else ClusterError
+    """The class of this module named ``kind`` (never evaluated); ``ClusterError`` if unknown."""
+    return _BY_NAME.get(kind, ClusterError)
 
 
-_BY_NAME: dict[str, type[PSKVError]] = {
-    cls.__name__: cls
-    for cls in list(globals().values())
-    if isinstance(cls, type) and issubclass(cls, PSKVError)
-}
+_BY_NAME = {name: cls for name, cls in globals().items() if isinstance(cls, type) and issubclass(cls, PSKVError)}

@@ -1,7 +1,4 @@
-"""Tensor helpers shared by the stores and the servers: sums of device values, row writes.
-
-This module imports nothing else from pskv.
-"""
+"""Tensor helpers shared by the stores and the servers: sums of device values, row writes."""
 
 from __future__ import annotations
 
@@ -17,11 +14,8 @@ def is_row_sparse(t: Tensor) -> bool:
 
 
 def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
-    """The sum of ``values`` made on ``device``; never aliases an input.
-
-    Dense values give a dense sum; all row-sparse values give a coalesced row-sparse sum; a mix
-    gives a dense sum.
-    """
+    """The sum of ``values`` made on ``device``, never aliasing an input: row-sparse (coalesced)
+    if every value is, else dense."""
     dense = [v for v in values if not v.is_sparse]
     sparse = [v for v in values if v.is_sparse]
     if not dense:
@@ -41,10 +35,8 @@ def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
 def write_rows(out: Tensor, rows: Tensor, data: Tensor) -> None:
     """Make ``out`` hold exactly ``rows`` (sorted, unique) with ``data``; other rows absent/zero."""
     if out.is_sparse:
-        src = torch.sparse_coo_tensor(
-            rows.unsqueeze(0).to(out.device), data.to(out.device, out.dtype), out.shape, check_invariants=False
-        )
-        out.copy_(src.coalesce())
+        ids, values = rows.unsqueeze(0).to(out.device), data.to(out.device, out.dtype)
+        out.copy_(torch.sparse_coo_tensor(ids, values, out.shape, check_invariants=False).coalesce())
     else:
         out.zero_()
         out.index_copy_(0, rows.to(out.device), data.to(out.device, out.dtype))

@@ -1,38 +1,18 @@
 """Optimizers that run where the weights live: in the worker's process or on the servers.
 
-An :class:`Optimizer` is a plain description (a name, numbers, an optional learning-rate
-schedule) plus update rules written in torch ops. Only the description travels to servers, as
-JSON; the rules are looked up by name on the other side. Nothing is pickled.
-
-The rules follow ``torch.optim``'s single-tensor code paths operation by operation, so the same
-hyperparameters give the same numbers (the tests compare them after several steps):
-
-======== =================================== ==============================================
-name     hyperparameters (besides the common) torch equivalent
-======== =================================== ==============================================
-sgd      momentum, dampening, nesterov        ``torch.optim.SGD``
-adam     beta1, beta2, epsilon                ``torch.optim.Adam``; row-sparse grads: ``SparseAdam``
-adamw    beta1, beta2, epsilon (wd=0.01)      ``torch.optim.AdamW``
-adagrad  epsilon, lr_decay, initial_accumulator_value  ``torch.optim.Adagrad`` (dense and sparse)
-======== =================================== ==============================================
-
-Common hyperparameters, applied in this order (as MXNet did): ``grad * rescale_grad``, then
-clipped elementwise to ``[-clip_gradient, clip_gradient]`` (when set), then the rule, which adds
-``wd * weight`` the way torch's ``weight_decay`` does (decoupled for adamw).
-``learning_rate`` may follow ``lr_scheduler``: ``{"name": "step", "step": N, "factor": f}``,
-``{"name": "multifactor", "step": [N1, N2, ...], "factor": f}`` or
-``{"name": "cosine", "max_update": N, "final_lr": 0, "warmup_steps": 0, "warmup_begin_lr": 0}``,
-evaluated at the optimizer's update count (the largest number of updates any key has had).
-
-Row-sparse gradients (``torch.sparse_coo_tensor`` with ``sparse_dim() == 1``) update only the
-rows present ("lazy" updates, as MXNet and ``SparseAdam`` do).
+An :class:`Optimizer` is a plain description (a name, numbers, an optional ``lr_scheduler``) that
+travels as JSON, never pickled, plus update rules in torch ops. The rules follow ``torch.optim``'s
+single-tensor code paths operation by operation, so the same hyperparameters give the same
+numbers. Besides ``learning_rate``, ``wd``, ``rescale_grad``, ``clip_gradient`` and ``lr_scheduler``
+(their order and the schedules: docs/SPEC.md, "Optimizers"), ``sgd`` takes momentum, dampening,
+nesterov (``SGD``); ``adam`` beta1, beta2, epsilon (``Adam``; row-sparse gradients: ``SparseAdam``);
+``adamw`` the same, with wd 0.01 by default (``AdamW``); ``adagrad`` epsilon, lr_decay,
+initial_accumulator_value (``Adagrad``). Row-sparse gradients update only the rows present.
 
 >>> opt = create("sgd", learning_rate=0.1, momentum=0.9, wd=5e-4)
 >>> w = torch.ones(3); opt.update(0, torch.full((3,), 2.0), w)
 >>> w
 tensor([0.7999, 0.7999, 0.7999])
-
-This module imports nothing else from pskv, so servers can load it alone.
 """
 
 from __future__ import annotations
@@ -40,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -48,20 +29,13 @@ from torch import Tensor
 
 from .errors import OptimizerError
 
-Number = Union[int, float, bool]
-Hyper = dict[str, Number]
+Hyper = dict[str, Union[int, float, bool]]
 
 _COMMON: Hyper = {"learning_rate": 0.01, "wd": 0.0, "rescale_grad": 1.0, "clip_gradient": -1.0}
 
 # Names a user coming from torch.optim may type, and what pskv calls them.
-_ALIASES = {
-    "lr": "learning_rate",
-    "weight_decay": "wd",
-    "eps": "epsilon",
-    "betas": "beta1 and beta2",
-    "initial_accumulator": "initial_accumulator_value",
-    "clip_grad": "clip_gradient",
-}
+_ALIASES = {"lr": "learning_rate", "weight_decay": "wd", "eps": "epsilon", "betas": "beta1 and beta2",
+            "initial_accumulator": "initial_accumulator_value", "clip_grad": "clip_gradient"}
 
 
 @dataclass
@@ -72,21 +46,17 @@ class KeyState:
     tensors: dict[str, Tensor]
 
 
-StepFn = Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
+# Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
+# weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
+# dense one is never the caller's tensor (rows are unique and sorted; values are not written).
+DenseFn = Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
+SparseFn = Callable[[Hyper, float, KeyState, Tensor, Tensor, Tensor], None]
 
 
-@dataclass(frozen=True)
-class _Rule:
-    defaults: Hyper
-    state: Callable[[Hyper, Tensor], dict[str, Tensor]]
-    dense: StepFn
-    sparse: StepFn
-    writes_grad: Callable[[Hyper], bool]  # does ``dense`` overwrite its gradient?
-
-
-# ---------------------------------------------------------------------------------------------
-# update rules: (hyper, lr, state, grad, weight) -> None, weight updated in place.
-# `grad` already has rescale_grad and clip_gradient applied and is never the caller's tensor.
+def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
+    """Row indices (unique, sorted) and row values of a row-sparse tensor."""
+    g = g.coalesce()
+    return g.indices()[0], g.values()
 
 
 def _sgd_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
@@ -107,22 +77,17 @@ def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
     w.add_(g, alpha=-lr)
 
 
-def _sgd_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
-    rows, vals = _rows(g)
+def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor) -> None:
     if h["wd"] == 0 and h["momentum"] == 0:
         w.index_add_(0, rows, vals, alpha=-lr)  # what torch.optim.SGD does with a sparse grad
         return
-    # lazy: the dense rule on the rows present
+    # lazy: the dense rule on the rows present, then those rows written back
     wr = w.index_select(0, rows)
-    if h["wd"] != 0:
-        vals = vals.add(wr, alpha=h["wd"])
-    momentum = float(h["momentum"])
-    if momentum != 0:
-        buf = st.tensors["momentum_buffer"]
-        br = vals.clone() if st.step == 1 else buf.index_select(0, rows).mul_(momentum).add_(vals, alpha=1 - h["dampening"])
-        buf.index_copy_(0, rows, br)
-        vals = vals.add(br, alpha=momentum) if h["nesterov"] else br
-    w.index_copy_(0, rows, wr.add_(vals, alpha=-lr))
+    st_rows = KeyState(st.step, {n: t.index_select(0, rows) for n, t in st.tensors.items()})
+    _sgd_dense(h, lr, st_rows, vals.clone(), wr)
+    w.index_copy_(0, rows, wr)
+    for n, t in st_rows.tensors.items():
+        st.tensors[n].index_copy_(0, rows, t)
 
 
 def _adam_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
@@ -139,20 +104,13 @@ def _adam_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoupl
     m, v = st.tensors["exp_avg"], st.tensors["exp_avg_sq"]
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    bias_correction1 = 1 - b1**st.step
-    bias_correction2 = 1 - b2**st.step
-    step_size = lr / bias_correction1
+    bias_correction1, bias_correction2 = 1 - b1**st.step, 1 - b2**st.step
     denom = torch.sqrt(v, out=g).div_(bias_correction2**0.5).add_(h["epsilon"])  # g is no longer needed
-    w.addcdiv_(m, denom, value=-step_size)
+    w.addcdiv_(m, denom, value=-lr / bias_correction1)
 
 
-def _adamw_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
-    _adam_dense(h, lr, st, g, w, decoupled=True)
-
-
-def _adam_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoupled: bool = False) -> None:
+def _adam_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor, decoupled: bool = False) -> None:
     # torch.optim.SparseAdam's arithmetic, on rows instead of sparse tensors
-    rows, vals = _rows(g)
     b1, b2, wd = float(h["beta1"]), float(h["beta2"]), float(h["wd"])
     if wd != 0:
         wr = w.index_select(0, rows)
@@ -169,22 +127,13 @@ def _adam_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoup
     v.index_add_(0, rows, upd_v)
     numer = upd_m.add_(old_m)
     denom = upd_v.add_(old_v).sqrt_().add_(h["epsilon"])
-    bias_correction1 = 1 - b1**st.step
-    bias_correction2 = 1 - b2**st.step
+    bias_correction1, bias_correction2 = 1 - b1**st.step, 1 - b2**st.step
     step_size = lr * math.sqrt(bias_correction2) / bias_correction1
     w.index_add_(0, rows, -step_size * numer.div_(denom))
 
 
-def _adamw_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
-    _adam_sparse(h, lr, st, g, w, decoupled=True)
-
-
 def _adagrad_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
     return {"sum": torch.full_like(w, float(h["initial_accumulator_value"]))}
-
-
-def _adagrad_lr(h: Hyper, lr: float, step: int) -> float:
-    return lr / (1 + (step - 1) * h["lr_decay"])
 
 
 def _adagrad_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
@@ -193,53 +142,40 @@ def _adagrad_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> N
     acc = st.tensors["sum"]
     acc.addcmul_(g, g, value=1)
     std = acc.sqrt().add_(h["epsilon"])
-    w.addcdiv_(g, std, value=-_adagrad_lr(h, lr, st.step))
+    w.addcdiv_(g, std, value=-lr / (1 + (st.step - 1) * h["lr_decay"]))
 
 
-def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
-    rows, vals = _rows(g)
+def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor) -> None:
     if h["wd"] != 0:  # torch refuses wd with sparse grads; lazily on the rows present here
         vals = vals.add(w.index_select(0, rows), alpha=h["wd"])
     acc = st.tensors["sum"]
     acc.index_add_(0, rows, vals.pow(2))
     std = acc.index_select(0, rows).sqrt_().add_(h["epsilon"])
-    w.index_add_(0, rows, vals / std, alpha=-_adagrad_lr(h, lr, st.step))
+    w.index_add_(0, rows, vals / std, alpha=-lr / (1 + (st.step - 1) * h["lr_decay"]))
 
 
-_RULES: dict[str, _Rule] = {
-    "sgd": _Rule(
-        {"momentum": 0.0, "dampening": 0.0, "nesterov": False},
-        _sgd_state,
-        _sgd_dense,
-        _sgd_sparse,
-        lambda h: h["wd"] != 0 or bool(h["nesterov"]),
-    ),
-    "adam": _Rule({"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}, _adam_state, _adam_dense, _adam_sparse, lambda h: True),
-    "adamw": _Rule(
-        {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8, "wd": 0.01}, _adam_state, _adamw_dense, _adamw_sparse, lambda h: True
-    ),
-    "adagrad": _Rule(
-        {"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
-        _adagrad_state,
-        _adagrad_dense,
-        _adagrad_sparse,
-        lambda h: h["wd"] != 0,
-    ),
+@dataclass(frozen=True)
+class _Rule:
+    defaults: Hyper
+    state: Callable[[Hyper, Tensor], dict[str, Tensor]]
+    dense: DenseFn
+    sparse: SparseFn
+    writes_grad: Callable[[Hyper], bool]  # does ``dense`` overwrite its gradient?
+
+
+_SGD: Hyper = {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
+_ADAM: Hyper = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
+_ADAGRAD: Hyper = {"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0}
+_ADAMW_DENSE, _ADAMW_SPARSE = partial(_adam_dense, decoupled=True), partial(_adam_sparse, decoupled=True)
+_RULES = {
+    "sgd": _Rule(_SGD, _sgd_state, _sgd_dense, _sgd_sparse, lambda h: h["wd"] != 0 or bool(h["nesterov"])),
+    "adam": _Rule(_ADAM, _adam_state, _adam_dense, _adam_sparse, lambda h: True),
+    "adamw": _Rule({**_ADAM, "wd": 0.01}, _adam_state, _ADAMW_DENSE, _ADAMW_SPARSE, lambda h: True),
+    "adagrad": _Rule(_ADAGRAD, _adagrad_state, _adagrad_dense, _adagrad_sparse, lambda h: h["wd"] != 0),
 }
-
 OPTIMIZERS = tuple(sorted(_RULES))
 
-
-def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
-    """Row indices (unique, sorted) and row values of a row-sparse gradient."""
-    g = g.coalesce()
-    return g.indices()[0], g.values()
-
-
-# ---------------------------------------------------------------------------------------------
-# learning-rate schedules
-
-
+# Each schedule's fields with their defaults (None: required).
 _SCHEDULES: dict[str, dict[str, Any]] = {
     "step": {"step": None, "factor": 0.1},
     "multifactor": {"step": None, "factor": 0.1},
@@ -247,31 +183,50 @@ _SCHEDULES: dict[str, dict[str, Any]] = {
 }
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_hyper(h: Hyper) -> None:
+    for name in ("learning_rate", "wd"):
+        if h[name] < 0:
+            raise OptimizerError(f"{name} must be >= 0, got {h[name]}")
+    for name in ("beta1", "beta2"):
+        if not 0.0 <= h.get(name, 0.0) < 1.0:
+            raise OptimizerError(f"{name} must be in [0, 1), got {h[name]}")
+    if h.get("momentum", 0.0) < 0:
+        raise OptimizerError(f"momentum must be >= 0, got {h['momentum']}")
+    if h.get("nesterov") and (h["momentum"] <= 0 or h["dampening"] != 0):
+        raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
+    if h.get("epsilon", 0.0) < 0:
+        raise OptimizerError(f"epsilon must be >= 0, got {h['epsilon']}")
+
+
 def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
-    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
-        raise OptimizerError(f"lr_scheduler must be a dict with a 'name' out of {sorted(_SCHEDULES)}, got {spec!r}")
-    name = spec["name"]
-    if name not in _SCHEDULES:
-        raise OptimizerError(f"unknown lr_scheduler {name!r}; known: {sorted(_SCHEDULES)}")
+    name = spec.get("name") if isinstance(spec, Mapping) else None
+    if not isinstance(name, str) or name not in _SCHEDULES:
+        raise OptimizerError(f"unknown lr_scheduler {spec!r}: it must be a dict with a 'name' out of {sorted(_SCHEDULES)}")
     out: dict[str, Any] = {"name": name}
     for field, default in _SCHEDULES[name].items():
-        value = spec.get(field, default)
-        if value is None:
+        out[field] = spec.get(field, default)
+        if out[field] is None:
             raise OptimizerError(f"lr_scheduler {name!r} needs {field!r}")
-        out[field] = value
     unknown = set(spec) - set(out)
     if unknown:
         raise OptimizerError(f"lr_scheduler {name!r} does not take {sorted(unknown)}")
-    steps = out.get("step") if name == "multifactor" else None
     if name == "multifactor":
+        steps = out["step"]
         if not isinstance(steps, list) or not steps or not all(_is_int(s) and s > 0 for s in steps):
             raise OptimizerError(f"lr_scheduler 'multifactor' needs 'step' as a list of positive ints, got {steps!r}")
         if steps != sorted(steps):
             raise OptimizerError(f"lr_scheduler 'multifactor' steps must increase, got {steps!r}")
     for field, value in out.items():
-        if field in ("name",) or (field == "step" and name == "multifactor"):
-            continue
-        if not _is_number(value):
+        is_step_list = name == "multifactor" and field == "step"
+        if field != "name" and not is_step_list and not _is_number(value):
             raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
     if name == "step" and not (_is_int(out["step"]) and out["step"] > 0):
         raise OptimizerError(f"lr_scheduler 'step' needs a positive int 'step', got {out['step']!r}")
@@ -299,70 +254,39 @@ def scheduled_lr(base_lr: float, schedule: Optional[Mapping[str, Any]], num_upda
     return float(final + (base_lr - final) * (1 + math.cos(math.pi * (num_update - warm) / (top - warm))) / 2)
 
 
-# ---------------------------------------------------------------------------------------------
-
-
-def _is_number(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 class Optimizer:
-    """An optimizer description plus its per-key state. Build one with :func:`create`.
-
-    ``update(key, grad, weight)`` changes ``weight`` in place and keeps the key's state (momentum
-    buffers, moments, step count) inside this object. Not thread-safe: one caller at a time (the
-    store or server that owns the weights).
-    """
+    """An optimizer description plus its per-key states (momentum buffers, moments, step counts).
+    Build one with :func:`create`. Not thread-safe: one caller at a time (the weights' owner)."""
 
     def __init__(self, name: str, hyper: Mapping[str, Any], lr_scheduler: Optional[Mapping[str, Any]] = None):
         if not isinstance(name, str) or name.lower() not in _RULES:
             raise OptimizerError(f"unknown optimizer {name!r}; known: {', '.join(OPTIMIZERS)}")
         self.name = name.lower()
-        rule = _RULES[self.name]
-        full: Hyper = {**_COMMON, **rule.defaults}
-        for key, value in hyper.items():
-            if key not in full:
-                hint = f"; did you mean {_ALIASES[key]!r}?" if key in _ALIASES else ""
-                raise OptimizerError(
-                    f"optimizer {self.name!r} has no hyperparameter {key!r}{hint} (it takes: {', '.join(sorted(full))})"
-                )
-            if key == "clip_gradient" and value is None:
-                value = -1.0
-            expect_bool = isinstance(full[key], bool)
-            if expect_bool and not isinstance(value, bool):
-                raise OptimizerError(f"{self.name}: {key} must be True or False, got {value!r}")
-            if not expect_bool and not _is_number(value):
-                raise OptimizerError(f"{self.name}: {key} must be a finite number, got {value!r}")
-            full[key] = value if expect_bool else float(value)
-        self._check(full)
-        self._hyper = full
+        self._rule = _RULES[self.name]
+        self._defaults: Hyper = {**_COMMON, **self._rule.defaults}
+        self._hyper = dict(self._defaults)
+        self._set(hyper)
         self._schedule = None if lr_scheduler is None else _check_schedule(lr_scheduler)
-        self._rule = rule
         self.states: dict[int, KeyState] = {}
         self.num_update = 0
 
-    @staticmethod
-    def _check(h: Hyper) -> None:
-        if h["learning_rate"] < 0:
-            raise OptimizerError(f"learning_rate must be >= 0, got {h['learning_rate']}")
-        if h["wd"] < 0:
-            raise OptimizerError(f"wd must be >= 0, got {h['wd']}")
-        for b in ("beta1", "beta2"):
-            if b in h and not 0.0 <= h[b] < 1.0:
-                raise OptimizerError(f"{b} must be in [0, 1), got {h[b]}")
-        if "momentum" in h:
-            if h["momentum"] < 0:
-                raise OptimizerError(f"momentum must be >= 0, got {h['momentum']}")
-            if h["nesterov"] and (h["momentum"] <= 0 or h["dampening"] != 0):
-                raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
-        if h.get("epsilon", 0.0) < 0:
-            raise OptimizerError(f"epsilon must be >= 0, got {h['epsilon']}")
-
-    # -- description (what travels) ------------------------------------------------------------
+    def _set(self, hyper: Mapping[str, Any]) -> None:
+        """Check ``hyper`` (names, types, ranges), then set it: a bad value changes nothing."""
+        new = dict(self._hyper)
+        for key, value in hyper.items():
+            if key not in new:
+                hint = f"; did you mean {_ALIASES[key]!r}?" if key in _ALIASES else ""
+                takes = ", ".join(sorted(new))
+                raise OptimizerError(f"optimizer {self.name!r} has no hyperparameter {key!r}{hint} (it takes: {takes})")
+            if key == "clip_gradient" and value is None:
+                value = -1.0
+            if isinstance(new[key], bool) and not isinstance(value, bool):
+                raise OptimizerError(f"{self.name}: {key} must be True or False, got {value!r}")
+            if not isinstance(new[key], bool) and not _is_number(value):
+                raise OptimizerError(f"{self.name}: {key} must be a finite number, got {value!r}")
+            new[key] = value if isinstance(value, bool) else float(value)
+        _check_hyper(new)
+        self._hyper = new
 
     @property
     def hyper(self) -> Hyper:
@@ -374,7 +298,7 @@ class Optimizer:
         return None if self._schedule is None else dict(self._schedule)
 
     def describe(self) -> dict[str, Any]:
-        """The JSON-able description: ``{"name", "hyper", "lr_scheduler"}``."""
+        """The JSON-able description (what travels): ``{"name", "hyper", "lr_scheduler"}``."""
         return {"name": self.name, "hyper": self.hyper, "lr_scheduler": self.lr_scheduler}
 
     @classmethod
@@ -388,11 +312,9 @@ class Optimizer:
         return cls(desc.get("name"), hyper, desc.get("lr_scheduler"))  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
-        changed = {k: v for k, v in self._hyper.items() if v != {**_COMMON, **self._rule.defaults}[k]}
+        changed = [f"{k}={v}" for k, v in self._hyper.items() if v != self._defaults[k]]
         sched = f", lr_scheduler={self._schedule}" if self._schedule else ""
-        return f"pskv.optim.create({self.name!r}, {', '.join(f'{k}={v}' for k, v in changed.items())}{sched})"
-
-    # -- learning rate --------------------------------------------------------------------------
+        return f"pskv.optim.create({self.name!r}, {', '.join(changed)}{sched})"
 
     @property
     def learning_rate(self) -> float:
@@ -401,9 +323,7 @@ class Optimizer:
 
     def set_learning_rate(self, lr: float) -> None:
         """Set the base learning rate (a schedule, if any, is applied on top of it)."""
-        if not _is_number(lr) or lr < 0:
-            raise OptimizerError(f"learning_rate must be a number >= 0, got {lr!r}")
-        self._hyper["learning_rate"] = float(lr)
+        self._set({"learning_rate": lr})
 
     @property
     def rescale_grad(self) -> float:
@@ -411,19 +331,11 @@ class Optimizer:
 
     def set_rescale_grad(self, scale: float) -> None:
         """Set the factor every gradient is multiplied by (the Trainer sets ``1 / batch_size``)."""
-        if not _is_number(scale):
-            raise OptimizerError(f"rescale_grad must be a finite number, got {scale!r}")
-        self._hyper["rescale_grad"] = float(scale)
-
-    # -- the update ----------------------------------------------------------------------------
+        self._set({"rescale_grad": scale})
 
     def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
-        """Apply one update of ``key``: ``weight`` changes in place.
-
-        ``grad`` is not modified, unless ``grad_is_scratch`` says the caller no longer needs it:
-        then the update works in it and allocates nothing (a dense gradient is copied once
-        otherwise).
-        """
+        """Update ``weight`` of ``key`` in place. ``grad`` is not modified unless ``grad_is_scratch``
+        (then the update works in it, else a dense gradient may be copied once)."""
         st = self.states.get(key)
         if st is None:
             st = self.states[key] = KeyState(0, self._rule.state(self._hyper, weight))
@@ -432,11 +344,8 @@ class Optimizer:
         lr = scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update)
         h = self._hyper
         if grad.is_sparse:
-            grad = grad.coalesce()
-            vals = grad.values()
-            vals = self._prepare(vals)
-            grad = torch.sparse_coo_tensor(grad.indices(), vals, grad.shape, is_coalesced=True, check_invariants=False)
-            self._rule.sparse(h, lr, st, grad, weight)
+            rows, vals = _rows(grad)
+            self._rule.sparse(h, lr, st, rows, self._prepare(vals), weight)
         elif grad_is_scratch:
             self._rule.dense(h, lr, st, self._prepare(grad, inplace=True), weight)
         else:
@@ -446,39 +355,30 @@ class Optimizer:
             self._rule.dense(h, lr, st, g, weight)
 
     def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
-        if self._hyper["rescale_grad"] != 1.0:
-            g = g.mul_(self._hyper["rescale_grad"]) if inplace else g * self._hyper["rescale_grad"]
-        clip = self._hyper["clip_gradient"]
+        scale, clip = self._hyper["rescale_grad"], self._hyper["clip_gradient"]
+        if scale != 1.0:
+            g = g.mul_(scale) if inplace else g * scale
         if clip > 0:
             g = g.clamp_(-clip, clip) if inplace else g.clamp(-clip, clip)
         return g
 
-    # -- state ------------------------------------------------------------------------------------
-
     def check_state(self, key: object, tensors: Mapping[str, Tensor], weight: Tensor) -> None:
-        """An :class:`~pskv.errors.OptimizerError` unless ``tensors`` are the states this
-        optimizer keeps for ``weight`` (names and sizes): checked before any is loaded."""
+        """Raise ``OptimizerError`` unless ``tensors`` are the states kept for ``weight`` (names, sizes)."""
         want = sorted(self._rule.state(self._hyper, torch.empty(0)))
         if sorted(tensors) != want:
-            raise OptimizerError(
-                f"key {key}: the saved states are {sorted(tensors)} but {self!r} keeps {want}; "
-                "load them into an optimizer with the same settings"
-            )
+            hint = "load them into an optimizer with the same settings"
+            raise OptimizerError(f"key {key}: the saved states are {sorted(tensors)} but {self!r} keeps {want}; {hint}")
         for n, t in tensors.items():
             if not isinstance(t, Tensor) or t.numel() != weight.numel():
                 raise OptimizerError(f"key {key}: state {n!r} does not have the {weight.numel()} elements of the weight")
 
     def state_dict(self) -> dict[str, Any]:
         """States of every key: ``{"optimizer": description, "num_update", "keys": {key: {"step", "tensors"}}}``."""
-        return {
-            "optimizer": self.describe(),
-            "num_update": self.num_update,
-            "keys": {k: {"step": s.step, "tensors": dict(s.tensors)} for k, s in self.states.items()},
-        }
+        keys = {k: {"step": s.step, "tensors": dict(s.tensors)} for k, s in self.states.items()}
+        return {"optimizer": self.describe(), "num_update": self.num_update, "keys": keys}
 
     def load_state_dict(self, state: Mapping[str, Any], weights: Optional[Mapping[int, Tensor]] = None) -> None:
-        """Install states saved by :meth:`state_dict` (tensors are copied; devices follow ``weights``).
-        Everything is checked first: a bad state changes nothing."""
+        """Install (copies of) :meth:`state_dict`'s states on ``weights``' devices; a bad state changes nothing."""
         try:
             num_update = int(state["num_update"])
             new: dict[int, KeyState] = {}
@@ -499,14 +399,12 @@ STATE_FORMAT = "pskv-optimizer-states/1"
 
 
 def save_states(path: Union[str, Path], state: Mapping[str, Any], key_names: Mapping[int, Any]) -> None:
-    """Write optimizer states (:meth:`Optimizer.state_dict`'s form) to ``path`` with ``torch.save``:
-    tensors, numbers and the optimizer's description, and the user's name of each key."""
+    """``torch.save`` :meth:`Optimizer.state_dict`'s form and the user's name of each key to ``path``."""
     torch.save({**state, "format": STATE_FORMAT, "key_names": dict(key_names)}, str(path))
 
 
 def load_states(path: Union[str, Path]) -> dict[str, Any]:
-    """Read what :func:`save_states` wrote (``torch.load(weights_only=True)``: nothing in the file
-    is executed); an :class:`~pskv.errors.OptimizerError` if it is not such a file."""
+    """Read what :func:`save_states` wrote (``weights_only``: nothing in it is executed)."""
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -517,22 +415,15 @@ def load_states(path: Union[str, Path]) -> dict[str, Any]:
 
 
 def create(name: str, **hyper: Any) -> Optimizer:
-    """Build an optimizer description, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9)``.
-
-    ``lr_scheduler`` may be passed among the keyword arguments (see the module docstring).
-    Raises :class:`~pskv.errors.OptimizerError` for an unknown name or hyperparameter.
-    """
+    """Build an optimizer, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9, lr_scheduler=...)``;
+    an ``OptimizerError`` for an unknown name or a bad hyperparameter."""
     schedule = hyper.pop("lr_scheduler", None)
     return Optimizer(name, hyper, schedule)
 
 
 def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False) -> None:
-    """What a store does with a key's merged push: assign it, or run the optimizer on it.
-
-    Without an optimizer the stored value is *replaced* by ``merged`` (a row-sparse ``merged``
-    replaces every row: absent rows become zero). With one, ``optimizer.update`` runs in place;
-    ``merged_is_scratch`` lets it work inside ``merged`` instead of copying it.
-    """
+    """What a store does with a key's merged push: ``optimizer.update`` (in place, inside ``merged``
+    if it is scratch), or without one replace the stored value (a row-sparse push zeroes absent rows)."""
     if optimizer is not None:
         optimizer.update(key, merged, stored, grad_is_scratch=merged_is_scratch)
     elif merged.is_sparse:
