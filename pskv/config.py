@@ -7,7 +7,7 @@ variable                   default  meaning
 ``PSKV_START_TIMEOUT``     120      seconds for every node to register with the scheduler
 ``PSKV_HEARTBEAT_TIMEOUT`` 30       seconds of silence after which a node is declared dead
 ``PSKV_HEARTBEAT_INTERVAL`` 1       seconds between heartbeats (kept below the timeout / 3)
-``PSKV_BIGARRAY_BOUND``    1000000  arrays with at least this many elements are sliced over servers
+``PSKV_BIGARRAY_BOUND``    65536    arrays with at least this many elements are cut over all servers (MXNet: 1e6)
 ``PSKV_CHUNK_BYTES``       4194304  big slices are cut into parts of at most this many bytes (0: not cut)
 ``PSKV_BATCH_BYTES``       8388608  a push goes to a TCP server in messages of about this many bytes
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
@@ -63,7 +63,7 @@ def heartbeat_interval() -> float:
 
 
 def bigarray_bound() -> int:
-    bound = getenv("PSKV_BIGARRAY_BOUND", 1_000_000)
+    bound = getenv("PSKV_BIGARRAY_BOUND", 65_536)
     if bound < 1:
         raise ValueError(f"PSKV_BIGARRAY_BOUND must be positive, got {bound}")
     return bound

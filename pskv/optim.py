@@ -18,7 +18,7 @@ tensor([0.7999, 0.7999, 0.7999])
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -353,6 +353,40 @@ class Optimizer:
             if g is grad and self._rule.writes_grad(h):
                 g = grad.clone()
             self._rule.dense(h, lr, st, g, weight)
+
+    def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
+        """:meth:`update` of many keys: dense sgd of tensors on one device with torch's foreach
+        kernels (a few launches for every parameter, not a few per parameter), the same numbers."""
+        h = self._hyper
+        if not grads:
+            return
+        if self.name != "sgd" or h["clip_gradient"] > 0 or any(g.is_sparse or g.device != grads[0].device for g in grads):
+            for k, g, w in zip(keys, grads, weights):
+                self.update(k, g, w)
+            return
+        states = []
+        for k, w in zip(keys, weights):
+            st = self.states.get(k) or self.states.setdefault(k, KeyState(0, self._rule.state(h, w)))
+            st.step += 1
+            self.num_update = max(self.num_update, st.step)
+            states.append(st)
+        lr = scheduled_lr(float(h["learning_rate"]), self._schedule, self.num_update)
+        gs = list(torch._foreach_mul(list(grads), float(h["rescale_grad"])))  # new tensors: grads untouched
+        if h["wd"] != 0:
+            torch._foreach_add_(gs, list(weights), alpha=h["wd"])
+        if h["momentum"] != 0:
+            bufs = [st.tensors["momentum_buffer"] for st in states]
+            old = [i for i, st in enumerate(states) if st.step > 1]
+            for i in set(range(len(states))) - set(old):
+                bufs[i].copy_(gs[i])
+            if old:
+                torch._foreach_mul_([bufs[i] for i in old], float(h["momentum"]))
+                torch._foreach_add_([bufs[i] for i in old], [gs[i] for i in old], alpha=1 - h["dampening"])
+            if h["nesterov"]:
+                torch._foreach_add_(gs, bufs, alpha=float(h["momentum"]))
+            else:
+                gs = bufs
+        torch._foreach_add_(list(weights), gs, alpha=-lr)
 
     def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
         scale, clip = self._hyper["rescale_grad"], self._hyper["clip_gradient"]

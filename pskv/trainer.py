@@ -371,14 +371,12 @@ class Trainer:
 
     def _update_here(self) -> None:
         with torch.no_grad():
-            for i in range(len(self._keys)):
-                first = self._reps[0][i]
-                grad = first.grad
-                if grad is None:
-                    continue
-                self._optimizer.update(i, grad, first)
-                for rep in self._reps[1:]:
-                    rep[i].copy_(first)
+            which = [i for i, t in enumerate(self._reps[0]) if t.grad is not None]
+            first = [self._reps[0][i] for i in which]
+            self._optimizer.update_all(which, [t.grad for t in first], first)  # type: ignore[misc]
+            for rep in self._reps[1:]:
+                for i, t in zip(which, first):
+                    rep[i].copy_(t)
 
     # -- states ---------------------------------------------------------------------------------
 
