@@ -75,3 +75,7 @@ def chunk_bytes() -> int:
 
 def batch_bytes() -> int:
     return max(1, getenv("PSKV_BATCH_BYTES", 8 << 20))
+
+
+def server_threads() -> int:
+    return max(1, getenv("PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2))))

@@ -1,12 +1,9 @@
 """The worker's side of the parameter-server system: sending requests, receiving answers.
 
-A worker connects to each server twice (requests go out on one connection, answers come back on
-the other) and says HELLO on both; servers on this host then share memory with it. A store call
-either sends one whole message (:meth:`WorkerClient.send`) or queues a row per part for each
-server's next PUSH or PULL message (:meth:`WorkerClient.queue`, :meth:`WorkerClient.flush`).
-Answers are received by the thread that waits for them; the I/O thread is the control plane
-(the scheduler, heartbeats, deadlines) and sends the rows of calls made without waiting.
-docs/DESIGN.md says why.
+A store call sends one whole message (:meth:`WorkerClient.send`) or queues a row per part for each
+server's next PUSH or PULL (:meth:`WorkerClient.queue`, :meth:`WorkerClient.flush`). Answers are
+received by the thread that waits for them; the I/O thread is the control plane (docs/DESIGN.md,
+"Threads of a worker").
 """
 
 from __future__ import annotations

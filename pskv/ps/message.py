@@ -63,10 +63,7 @@ class Type(enum.IntEnum):
 
 
 class Layout:
-    """A table of int64 rows with named columns: the index frame of a batched message.
-
-    >>> PULL.pack([(3, 0, 1, 1, 0)]); PULL.unpack(frame)[0].round
-    """
+    """A table of int64 rows with named columns: the index frame of a batched message."""
 
     def __init__(self, name: str, *columns: str):
         self.name = name
@@ -81,19 +78,13 @@ class Layout:
             flat.extend(row)
         return flat.tobytes()
 
-    def count(self, frame: Buffer) -> int:
-        """How many rows ``frame`` holds."""
-        return _buf(frame).nbytes // (8 * self.width)
-
     def unpack(self, frame: Buffer) -> list[Any]:
         """The rows of ``frame``; :class:`ProtocolError` unless it is ``n x width`` int64."""
         buf = _buf(frame)
         if buf.nbytes % (8 * self.width):
             raise ProtocolError(f"a {self.name} table of {buf.nbytes} bytes is not rows of {self.width} int64")
-        values = array.array("q")
-        values.frombytes(buf.tobytes())
-        make = self._make
-        return [make(values[i : i + self.width]) for i in range(0, len(values), self.width)]
+        values = array.array("q", buf.tobytes())
+        return [self._make(values[i : i + self.width]) for i in range(0, len(values), self.width)]
 
 
 class PushKind(enum.IntEnum):
@@ -121,7 +112,7 @@ ANSWER = Layout("AnswerRow", "entry", "fd", "offset", "nbytes")
 
 
 def float_bits(x: float) -> int:
-    """A float64 as the int64 of the same bits, for a table column (0.0 is 0); :func:`bits_float` undoes it."""
+    """A float64 as the int64 of the same bits, for a table column (0.0 is 0)."""
     return int(struct.unpack("<q", struct.pack("<d", x))[0])
 
 
@@ -231,10 +222,7 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 
 
 def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
-    """A 1-D tensor over ``frame``'s bytes (no copy); checks it holds exactly ``numel`` elements.
-
-    With ``numel=None`` the frame must hold a whole number of elements.
-    """
+    """A 1-D tensor over ``frame``'s bytes (no copy) of exactly ``numel`` elements (None: any number)."""
     import torch
 
     buf = _buf(frame)

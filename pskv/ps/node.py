@@ -1,10 +1,5 @@
-"""Who is who: the job's environment, this node's address, joining the job, heartbeats.
-
-Every process reads the variables that parameter-server tooling sets (SPEC.md section 8):
-``DMLC_ROLE``, ``DMLC_PS_ROOT_URI`` and ``DMLC_PS_ROOT_PORT`` (the scheduler), ``DMLC_NUM_WORKER``,
-``DMLC_NUM_SERVER``; optionally ``DMLC_WORKER_ID``/``DMLC_SERVER_ID`` (the rank; else the order of
-registration), ``DMLC_NODE_HOST`` (this node's address) or ``DMLC_INTERFACE`` (its interface).
-"""
+"""Who is who: the job's environment (the ``DMLC_*`` variables, docs/SPEC.md section 8), this
+node's address, joining the job, heartbeats."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Which server holds which elements of a key: pure functions of (key, size, servers).
 
-- An array with fewer than ``bound`` elements lives whole on one server, picked by Fibonacci
-  hashing of the key: consecutive keys (what a Trainer uses) spread evenly, and strided keys
-  spread too.
-- A larger array is cut into ``num_servers`` contiguous slices of (nearly) equal size, slice
-  ``i`` on server ``i``; a row-sparse array is cut at row boundaries.
-- Each slice may be cut further into *parts* of at most ``chunk`` elements, so a big array
-  streams through the servers piece by piece (a part is the unit of a message and of a
-  synchronous round).
+Arrays below ``bound`` elements live whole on one server (Fibonacci hashing of the key); larger
+ones are cut into one contiguous, row-aligned slice per server, and slices into parts of at most
+``chunk`` elements (docs/DESIGN.md, "Keys, parts and placement"). Imports nothing from pskv.
 
->>> place(key=3, numel=10, num_servers=2, bound=1_000_000)
-[Part(index=0, server=0, start=0, stop=10)]
 >>> [p.server for p in place(key=0, numel=4_000_000, num_servers=2, bound=1_000_000)]
 [0, 1]
-
-This module imports nothing else from pskv.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """A server's parts and their rounds, as a pure state machine: no sockets, no threads.
 
 Every method of :class:`Rounds` takes one decoded request, checks all of it before changing
-anything, and returns the :class:`Answer`\\s to send now; what waits (a pull for an open round,
-a push in shared memory not merged yet, an INIT before worker 0's value) is answered by the call
-that completes it. Per part (a slice of a key, ``rows x row_numel``):
-
-- INIT: every worker declares the part, worker 0's brings the value; each is answered once it is there.
-- PUSH (sync): pushes queue per worker; when every worker has one, they are summed and applied
-  (optimizer or assignment) and the pulls waiting for that round are answered. A push carries its
-  round: one seen before is acknowledged, not applied again. Async: applied on arrival.
-- PULL for round r: answered once r rounds are complete, with the stored value itself (it cannot
-  change before that worker pushes again); async: at once, a snapshot.
-- A worker that finishes fails every round that needs it; :meth:`Rounds.expire` what waited too long.
+anything, and returns the :class:`Answer`\\s to send now; what waits is answered by the call
+that completes it. docs/DESIGN.md ("A round of dist_sync") tells the rounds' rules.
 """
 
 from __future__ import annotations

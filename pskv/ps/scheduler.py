@@ -1,18 +1,7 @@
 """The scheduler: registration and ranks, barriers, heartbeats, failure notices, shutdown.
 
-It moves control messages only and never imports torch. Its life:
-
-1. Nodes register. When ``DMLC_NUM_SERVER`` servers and ``DMLC_NUM_WORKER`` workers have,
-   ranks are assigned (the ids nodes asked for, else registration order) and every node gets
-   the node table. A node that does not come within ``PSKV_START_TIMEOUT`` makes the start fail
-   with an error naming what is missing; a surplus node is refused.
-2. Barriers over the workers, the servers or everyone; a barrier that cannot complete (a member
-   has finished) or passes ``PSKV_TIMEOUT`` is answered with an error naming the missing ranks.
-3. Heartbeats: a node silent for ``PSKV_HEARTBEAT_TIMEOUT`` is declared dead; every other node
-   is told (NODE_FAILED) and the scheduler exits with status 1.
-4. A worker that closes its store sends FINALIZE; servers are told (WORKER_LEFT) so rounds that
-   still need it fail at once. When every worker has finished, servers get SHUTDOWN and the
-   scheduler exits with status 0.
+It moves control messages only and never imports torch. docs/DESIGN.md ("Processes", "Never a
+silent hang") tells its life: the start, barriers, a node declared dead, the end.
 """
 
 from __future__ import annotations
@@ -40,15 +29,9 @@ class _Node:
     finished: bool = False
 
     def info(self) -> dict[str, Any]:
-        return {
-            "role": self.role,
-            "rank": self.rank,
-            "endpoint": self.meta.get("endpoint"),
-            "host": self.meta.get("host"),
-            "hostname": self.meta.get("hostname"),
-            "pid": self.meta.get("pid"),
-            "shm_host": self.meta.get("shm_host"),
-        }
+        """This node's row of the node table."""
+        shared = ("endpoint", "host", "hostname", "pid", "shm_host")
+        return {"role": self.role, "rank": self.rank, **{k: self.meta.get(k) for k in shared}}
 
     def __str__(self) -> str:
         return describe_node(self.info())
@@ -74,8 +57,6 @@ class Scheduler:
         self.timeout = config.timeout()
         self.hb_timeout = config.heartbeat_timeout()
         self.log = config.verbose()
-
-    # -- helpers ----------------------------------------------------------------------------------
 
     def _say(self, text: str) -> None:
         if self.log:

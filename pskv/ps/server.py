@@ -1,16 +1,13 @@
 """A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds`.
 
-It receives a batch of messages, decodes each request into tensors (payload frames, or slots of
-the worker's shared memory), hands it to the round engine and gathers the answers the engine
-returns into one message per request (acknowledgements first). A worker's connections say HELLO
-with its rank before anything else; a request on one that has not is refused. A bad request
-gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
+It decodes each request into tensors (payload frames, or slots of the worker's shared memory),
+hands it to the round engine and gathers the answers into one message per request. A bad
+request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 import traceback
@@ -67,12 +64,6 @@ class _Frames:
             raise ProtocolError(f"{self.what} has more payload frames than its table announces")
 
 
-def server_threads() -> int:
-    """``PSKV_SERVER_THREADS``: torch threads a server uses for sums and updates."""
-    default = max(1, min(4, (os.cpu_count() or 2) // 2))
-    return max(1, config.getenv("PSKV_SERVER_THREADS", default))
-
-
 class Server(Node):
     """One server process (or thread, in tests); :meth:`run` returns the exit status."""
 
@@ -98,7 +89,7 @@ class Server(Node):
             self.van.close(linger=0)
             return 1
         if not self.env.inproc:
-            torch.set_num_threads(server_threads())
+            torch.set_num_threads(config.server_threads())
         self.say(f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers)")
         timeline.start("server", self.rank)
         backlog, self.early = self.early, []

@@ -1,19 +1,10 @@
 """Shared memory between nodes on one host, and the whole protocol of using it.
 
-An :class:`Arena` is an anonymous memory file (``memfd_create``), carved into slots; a peer on
-the host maps it through ``/proc/<pid>/fd/<fd>`` (nothing named in ``/dev/shm``: nothing leaks
-when a process dies). Its header holds a magic string and a random token, checked first.
-
-1. At connection, when the node table puts both on one host (same boot and pid namespace), the
-   worker sends SHM_PROBE with :meth:`Shared.probe`; the server maps it (:meth:`Shared.accept`:
-   the pid must be the registered one, the token must match) and answers with its own. If
-   anything fails the pair uses TCP (``PSKV_SHM=1``: an error; ``0``: never shared; ``auto``).
-2. Push: the worker sums its device values into its slot of the part and sends only the row
-   (fd, offset); the server acknowledges it once it merged the round (``ack_when_merged``), and
-   until then the worker does not write the slot again.
-3. Pull: values live in the server's arenas; the answer is (fd, offset, nbytes) and the worker
-   copies the bytes out. They cannot change before that worker pushes again, which it does only
-   after reading them.
+An :class:`Arena` is an anonymous memory file (``memfd_create``) carved into slots, mapped by a
+peer through ``/proc/<pid>/fd/<fd>`` after its header's random token is checked (SHM_PROBE at
+connection: :meth:`Shared.probe`, :meth:`Shared.accept`). A push sends only (fd, offset) of the
+worker's slot and is acknowledged once merged; a pull is answered with the server's slot.
+``PSKV_SHM``: ``auto``, ``0`` (never) or ``1`` (an error if it fails). docs/DESIGN.md says more.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (off by default; nearly free then).
+"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off).
 
-Each process records spans (what, when, how long, on which thread) with the clock that every
-process of a host shares (``time.perf_counter``: CLOCK_MONOTONIC on Linux) and writes them when
-it exits as a Chrome trace, ``path.<role>-<rank>.json``; ``pskv launch`` merges them into
-``path`` when the job ends (:func:`merge`). Open it in https://ui.perfetto.dev or chrome://tracing:
-one row per process and thread, so a step's backward, pushes, the servers' merges and the pulls
-can be seen side by side. Spans recorded: a worker's gradients leaving during backward
-(``push <key>``), messages sent (``send PUSH``/``send PULL``), answers handled, waits in
-``step`` and before a layer's forward; a server's handling of each request (its merges and
-optimizer updates included) and its answers.
+Each process records spans with the clock its host shares and writes them at exit as a Chrome
+trace, ``path.<role>-<rank>.json``; ``pskv launch`` merges them into ``path`` (:func:`merge`).
+Open it in https://ui.perfetto.dev: one row per process and thread (docs/DESIGN.md).
 
 >>> t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)
 """

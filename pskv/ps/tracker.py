@@ -1,11 +1,8 @@
 """What a worker waits for: requests sent and not answered yet, and the calls (:class:`Handle`) they serve.
 
-A request is one message to one peer. A data request (PUSH, PULL) carries a row per part, each
-serving a store call; its answers list the rows answered so far, and each completes its part of
-its call (pulled bytes are copied into place then). Any other request serves one call as a whole.
-A request past its deadline fails with a :class:`~pskv.errors.DeadlineExceeded` naming whom it
-waited for. A push that fails makes the next call on the store fail (nobody need wait on pushes),
-and any wait in progress too: the round it waits for may never come.
+A data request (PUSH, PULL) carries a row per part, each serving a store call, and is answered row
+by row; any other request serves one call. A push that fails makes the next call on the store
+fail, and any wait in progress too: the round it waits for may never come.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """The transport: a :class:`Van` moves messages between this node and its peers, over zmq.
 
-A node listens on one endpoint (a ROUTER) and connects to its peers (a DEALER each). Peers are
-named by strings: the name given to :meth:`Van.connect`, or ``"client:<hex>"`` for a connection
-that reached our endpoint (replies go back to that name). Payloads are sent without copying.
-With ``inproc://`` endpoints a whole job runs in one process (the unit tests). A van belongs to
-one thread, except :meth:`Van.wake` and connections opened with ``receive=False``.
+A node listens on one endpoint (a ROUTER) and connects to its peers (a DEALER each); a peer is
+named by the name given to :meth:`Van.connect`, or ``"client:<hex>"`` for a connection that
+reached us. Payloads are sent without copying; ``inproc://`` endpoints run a job in one process.
 """
 
 from __future__ import annotations
