@@ -1,18 +1,14 @@
 """Optimizers that run where the weights live: in the worker's process or on the servers.
 
 An :class:`Optimizer` is a plain description (a name, numbers, an optional ``lr_scheduler``) that
-travels as JSON, never pickled, plus update rules in torch ops. The rules follow ``torch.optim``'s
-single-tensor code paths operation by operation, so the same hyperparameters give the same
-numbers. Besides ``learning_rate``, ``wd``, ``rescale_grad``, ``clip_gradient`` and ``lr_scheduler``
-(their order and the schedules: docs/SPEC.md, "Optimizers"), ``sgd`` takes momentum, dampening,
-nesterov (``SGD``); ``adam`` beta1, beta2, epsilon (``Adam``; row-sparse gradients: ``SparseAdam``);
-``adamw`` the same, with wd 0.01 by default (``AdamW``); ``adagrad`` epsilon, lr_decay,
-initial_accumulator_value (``Adagrad``). Row-sparse gradients update only the rows present.
+travels as JSON, never pickled, plus update rules in torch ops that follow ``torch.optim``'s code
+operation by operation, so the same hyperparameters give the same numbers. Names, defaults, order
+and schedules: docs/SPEC.md, "Optimizers"; row-sparse gradients update only the rows present.
 
 >>> opt = create("sgd", learning_rate=0.1, momentum=0.9, wd=5e-4)
 >>> w = torch.ones(3); opt.update(0, torch.full((3,), 2.0), w)
 >>> w
-tensor([0.7999, 0.7999, 0.7999])
+tensor([0.8000, 0.8000, 0.8000])
 """
 
 from __future__ import annotations
