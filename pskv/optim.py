@@ -315,7 +315,7 @@ class Optimizer:
     @property
     def learning_rate(self) -> float:
         """The learning rate the next update uses (schedule applied)."""
-        return scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update + 1)
+        return self._lr(self.num_update + 1)
 
     def set_learning_rate(self, lr: float) -> None:
         """Set the base learning rate (a schedule, if any, is applied on top of it)."""
@@ -329,44 +329,42 @@ class Optimizer:
         """Set the factor every gradient is multiplied by (the Trainer sets ``1 / batch_size``)."""
         self._set({"rescale_grad": scale})
 
-    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
-        """Update ``weight`` of ``key`` in place. ``grad`` is not modified unless ``grad_is_scratch``
-        (then the update works in it, else a dense gradient may be copied once)."""
+    def _lr(self, num_update: int) -> float:
+        return scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, num_update)
+
+    def _key_state(self, key: int, weight: Tensor) -> KeyState:
+        """``key``'s state (a new one shaped like ``weight``), its update counted."""
         st = self.states.get(key)
         if st is None:
             st = self.states[key] = KeyState(0, self._rule.state(self._hyper, weight))
         st.step += 1
         self.num_update = max(self.num_update, st.step)
-        lr = scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update)
-        h = self._hyper
+        return st
+
+    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
+        """Update ``weight`` of ``key`` in place. ``grad`` is not modified unless ``grad_is_scratch``
+        (then the update works in it, else a dense gradient may be copied once)."""
+        st = self._key_state(key, weight)
+        h, lr = self._hyper, self._lr(self.num_update)
         if grad.is_sparse:
             rows, vals = _rows(grad)
             self._rule.sparse(h, lr, st, rows, self._prepare(vals), weight)
-        elif grad_is_scratch:
-            self._rule.dense(h, lr, st, self._prepare(grad, inplace=True), weight)
-        else:
-            g = self._prepare(grad)  # a new tensor if rescaled or clipped
-            if g is grad and self._rule.writes_grad(h):
-                g = grad.clone()
-            self._rule.dense(h, lr, st, g, weight)
+            return
+        g = self._prepare(grad, inplace=grad_is_scratch)  # a new tensor if rescaled or clipped
+        if g is grad and not grad_is_scratch and self._rule.writes_grad(h):
+            g = grad.clone()
+        self._rule.dense(h, lr, st, g, weight)
 
     def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
         """:meth:`update` of many keys: dense sgd of tensors on one device with torch's foreach
         kernels (a few launches for every parameter, not a few per parameter), the same numbers."""
         h = self._hyper
-        if not grads:
-            return
-        if self.name != "sgd" or h["clip_gradient"] > 0 or any(g.is_sparse or g.device != grads[0].device for g in grads):
+        one_device = all(not g.is_sparse and g.device == grads[0].device for g in grads)
+        if not grads or self.name != "sgd" or h["clip_gradient"] > 0 or not one_device:
             for k, g, w in zip(keys, grads, weights):
                 self.update(k, g, w)
             return
-        states = []
-        for k, w in zip(keys, weights):
-            st = self.states.get(k) or self.states.setdefault(k, KeyState(0, self._rule.state(h, w)))
-            st.step += 1
-            self.num_update = max(self.num_update, st.step)
-            states.append(st)
-        lr = scheduled_lr(float(h["learning_rate"]), self._schedule, self.num_update)
+        states = [self._key_state(k, w) for k, w in zip(keys, weights)]
         gs = list(torch._foreach_mul(list(grads), float(h["rescale_grad"])))  # new tensors: grads untouched
         if h["wd"] != 0:
             torch._foreach_add_(gs, list(weights), alpha=h["wd"])
@@ -382,7 +380,7 @@ class Optimizer:
                 torch._foreach_add_(gs, bufs, alpha=float(h["momentum"]))
             else:
                 gs = bufs
-        torch._foreach_add_(list(weights), gs, alpha=-lr)
+        torch._foreach_add_(list(weights), gs, alpha=-self._lr(self.num_update))
 
     def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
         scale, clip = self._hyper["rescale_grad"], self._hyper["clip_gradient"]
