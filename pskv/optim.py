@@ -42,19 +42,15 @@ class KeyState:
     tensors: dict[str, Tensor]
 
 
-# Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
-# weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
-# dense one is never the caller's tensor (rows are unique and sorted; values are not written).
-DenseFn = Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
-SparseFn = Callable[[Hyper, float, KeyState, Tensor, Tensor, Tensor], None]
-
-
 def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
     """Row indices (unique, sorted) and row values of a row-sparse tensor."""
     g = g.coalesce()
     return g.indices()[0], g.values()
 
 
+# Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
+# weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
+# dense one may be the caller's unless _Rule.writes_grad (rows are unique and sorted; values are not written).
 def _sgd_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
     return {"momentum_buffer": torch.zeros_like(w)} if h["momentum"] != 0 else {}
 
@@ -154,8 +150,8 @@ def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tenso
 class _Rule:
     defaults: Hyper
     state: Callable[[Hyper, Tensor], dict[str, Tensor]]
-    dense: DenseFn
-    sparse: SparseFn
+    dense: Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
+    sparse: Callable[[Hyper, float, KeyState, Tensor, Tensor, Tensor], None]
     writes_grad: Callable[[Hyper], bool]  # does ``dense`` overwrite its gradient?
 
 
@@ -188,18 +184,14 @@ def _is_int(v: object) -> bool:
 
 
 def _check_hyper(h: Hyper) -> None:
-    for name in ("learning_rate", "wd"):
-        if h[name] < 0:
+    for name in ("learning_rate", "wd", "momentum", "epsilon"):
+        if h.get(name, 0.0) < 0:
             raise OptimizerError(f"{name} must be >= 0, got {h[name]}")
     for name in ("beta1", "beta2"):
         if not 0.0 <= h.get(name, 0.0) < 1.0:
             raise OptimizerError(f"{name} must be in [0, 1), got {h[name]}")
-    if h.get("momentum", 0.0) < 0:
-        raise OptimizerError(f"momentum must be >= 0, got {h['momentum']}")
     if h.get("nesterov") and (h["momentum"] <= 0 or h["dampening"] != 0):
         raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
-    if h.get("epsilon", 0.0) < 0:
-        raise OptimizerError(f"epsilon must be >= 0, got {h['epsilon']}")
 
 
 def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -208,9 +200,11 @@ def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
         raise OptimizerError(f"unknown lr_scheduler {spec!r}: it must be a dict with a 'name' out of {sorted(_SCHEDULES)}")
     out: dict[str, Any] = {"name": name}
     for field, default in _SCHEDULES[name].items():
-        out[field] = spec.get(field, default)
-        if out[field] is None:
+        value = out[field] = spec.get(field, default)
+        if value is None:
             raise OptimizerError(f"lr_scheduler {name!r} needs {field!r}")
+        if not _is_number(value) and (name, field) != ("multifactor", "step"):  # checked below
+            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
     unknown = set(spec) - set(out)
     if unknown:
         raise OptimizerError(f"lr_scheduler {name!r} does not take {sorted(unknown)}")
@@ -220,10 +214,6 @@ def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise OptimizerError(f"lr_scheduler 'multifactor' needs 'step' as a list of positive ints, got {steps!r}")
         if steps != sorted(steps):
             raise OptimizerError(f"lr_scheduler 'multifactor' steps must increase, got {steps!r}")
-    for field, value in out.items():
-        is_step_list = name == "multifactor" and field == "step"
-        if field != "name" and not is_step_list and not _is_number(value):
-            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
     if name == "step" and not (_is_int(out["step"]) and out["step"] > 0):
         raise OptimizerError(f"lr_scheduler 'step' needs a positive int 'step', got {out['step']!r}")
     if name == "cosine" and not (_is_int(out["max_update"]) and out["max_update"] > out["warmup_steps"] >= 0):
