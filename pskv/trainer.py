@@ -1,18 +1,9 @@
 """The Trainer: gradients summed over devices and workers, then one optimizer step.
 
-``trainer.step(batch_size)`` after ``loss.backward()`` scales by ``1 / batch_size`` (this
-worker's batch: the gradients of W workers' batches are summed, as in MXNet), then either pushes
-the gradients (one per device replica) and pulls the weights the store's optimizer updated
-(``update_on_kvstore``, the default for dist stores), or sums them through the store and updates
-here (``allreduce_grads`` + ``update``). Keys are the parameters' order, or their names with
-``named_parameters()``; shared tensors are trained once, frozen ones left alone; one iterable per
-device replica trains several devices in one process. BatchNorm statistics stay per worker.
-
-With ``overlap`` (on by default for a dist store with GPU parameters or remote servers) the
-gradients leave from autograd hooks during backward and each layer waits for its new weights
-just before its next forward; docs/DESIGN.md says how the numbers stay those of the plain path.
-Accumulate gradients inside ``with trainer.no_sync():``; call ``trainer.synchronize()`` before
-reading the weights outside a forward.
+``trainer.step(batch_size)`` after ``loss.backward()`` scales by ``1 / batch_size`` (this worker's
+batch, as in MXNet), then either pushes the gradients and pulls the weights the store's optimizer
+updated (``update_on_kvstore``), or sums them through the store and updates here (``allreduce_grads``
++ ``update``). Semantics: docs/SPEC.md, "Trainer"; overlap and held pushes: docs/DESIGN.md.
 
 >>> trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="dist_sync")
 >>> loss(net(x), y).backward(); trainer.step(batch_size=x.shape[0])
@@ -82,12 +73,16 @@ def _remove(hooks: list[Any]) -> None:
 class Trainer:
     """Applies an optimizer to parameters through a store. Not thread-safe.
 
+    ``params``: tensors, ``(name, tensor)`` pairs or a dict (keys: the order, or the names), or one of
+    those per device replica; shared tensors are trained once, frozen ones left alone.
     ``kvstore``: a store type name (``"device"`` by default, as in MXNet), a store, or ``None``.
     A ``local``/``device`` store with a single replica is skipped (the optimizer runs here).
     ``update_on_kvstore=None`` picks: True for dist types and for several replicas; ``dist_async``
     requires it; False runs the optimizer here and uses the store only to sum gradients.
-    ``overlap``: exchange during backward and the next forward (see the module docstring);
-    ``None`` turns it on where it pays.
+    ``overlap``: gradients leave from autograd hooks during backward and each layer waits for its
+    new weights just before its next forward (accumulate gradients inside :meth:`no_sync`; call
+    :meth:`synchronize` before reading weights outside a forward); ``None`` turns it on where it
+    pays (a dist store with GPU parameters or remote servers).
     """
 
     def __init__(
@@ -118,7 +113,7 @@ class Trainer:
             if compression_params:
                 self._kv.set_gradient_compression(compression_params)
             self._kv.init(self._keys, [t.detach() for t in self._reps[0]])
-            self._kv.pull(self._keys, self._per_key(lambda t: t))  # every replica, every worker: worker 0's weights
+            self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # every worker: worker 0's weights
             if self._update_on_kvstore:
                 self._kv.set_optimizer(self._optimizer)
                 self._sent_scale = self._optimizer.rescale_grad
@@ -144,16 +139,11 @@ class Trainer:
         return create(kvstore)
 
     def _pick_update_on_kvstore(self, asked: Optional[bool]) -> bool:
-        kv = self._kv
-        if kv is None:
-            if asked:
-                raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
-            return False
-        if kv.type == "dist_async":
-            if asked is False:
-                raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
-            return True
-        return True if asked is None else bool(asked)
+        if self._kv is None and asked:
+            raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
+        if self._kv is not None and self._kv.type == "dist_async" and asked is False:
+            raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
+        return self._kv is not None and (asked is None or bool(asked))
 
     def _pick_overlap(self, asked: Optional[bool]) -> bool:
         dist = self._kv is not None and self._kv.type.startswith("dist")
@@ -251,9 +241,6 @@ class Trainer:
         """Whether the exchange overlaps backward and the next forward."""
         return self._overlap
 
-    def _per_key(self, pick: Any) -> list[list[Tensor]]:
-        return [[pick(rep[i]) for rep in self._reps] for i in range(len(self._keys))]
-
     # -- learning rate ------------------------------------------------------------------------
 
     @property
@@ -333,7 +320,7 @@ class Trainer:
                     assert handle is not None
                     self._inflight[i] = handle
             else:
-                self._kv.pull(self._keys, self._per_key(lambda t: t), _rescale=rescale)
+                self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
         self._next_step()
         timeline.span("step", t0)
