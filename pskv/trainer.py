@@ -191,21 +191,19 @@ class Trainer:
                 "over several backward passes inside `with trainer.no_sync():` (all but the last)"
             )
         self._ready[i] += 1
-        if self._ready[i] == len(self._reps):
-            t0 = timeline.now()
-            self._send(i, [rep[i].grad for rep in self._reps])  # type: ignore[misc]
-            timeline.span(f"push {self._keys[i]}", t0)
-
-    def _send(self, i: int, grads: list[Tensor]) -> None:
-        """Push key ``i``'s gradients (without waiting); gradient sums come back into them."""
+        if self._ready[i] < len(self._reps):
+            return
         assert self._kv is not None
+        t0 = timeline.now()
         self._pushed[i] = True  # till the end of step: a second gradient before then is refused
-        if self._update_on_kvstore:
+        grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
+        if self._update_on_kvstore:  # without waiting; with pushpull the sums come back into grads
             self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
         else:
             handle = self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False)
             assert handle is not None
             self._inflight[i] = handle
+        timeline.span(f"push {self._keys[i]}", t0)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -268,26 +266,21 @@ class Trainer:
             self._sent_scale = scale
         return scale
 
-    def _grads(self, ignore_stale_grad: bool, which: Sequence[int]) -> list[list[Tensor]]:
-        out = []
+    def _unsent(self, ignore_stale_grad: bool) -> tuple[list[int], list[list[Tensor]]]:
+        """The keys backward did not push (all of them without overlap) and their gradients."""
+        which = [i for i, sent in enumerate(self._pushed) if not sent]
+        grads: list[list[Tensor]] = []
         for i in which:
-            grads = []
+            grads.append([])
             for d, rep in enumerate(self._reps):
                 g = rep[i].grad
-                if g is None:
-                    if not ignore_stale_grad:
-                        raise TrainerError(
-                            f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was not used in the forward pass "
-                            "since the last step; pass ignore_stale_grad=True to push zeros for it"
-                        )
-                    g = torch.zeros_like(rep[i])
-                grads.append(g)
-            out.append(grads)
-        return out
-
-    def _unsent(self) -> list[int]:
-        """The keys backward did not push (all of them without overlap)."""
-        return [i for i, sent in enumerate(self._pushed) if not sent]
+                if g is None and not ignore_stale_grad:
+                    raise TrainerError(
+                        f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was not used in the forward pass "
+                        "since the last step; pass ignore_stale_grad=True to push zeros for it"
+                    )
+                grads[-1].append(torch.zeros_like(rep[i]) if g is None else g)
+        return which, grads
 
     def _next_step(self) -> None:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
@@ -308,8 +301,7 @@ class Trainer:
             self._update_here()
             return
         assert self._kv is not None
-        rest = self._unsent()
-        grads = self._grads(ignore_stale_grad, rest)
+        rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         with torch.no_grad():
             if rest:
@@ -339,17 +331,13 @@ class Trainer:
         self._update_here()
 
     def _allreduce(self, ignore_stale_grad: bool) -> None:
-        rest = self._unsent()
-        grads = self._grads(ignore_stale_grad, rest)
+        rest, grads = self._unsent(ignore_stale_grad)
         with torch.no_grad():
-            if self._kv is not None and self._overlap:
-                for i, key_grads in zip(rest, grads):
-                    self._send(i, key_grads)
-                self.synchronize()
-            elif self._kv is not None and rest:
+            if self._kv is not None and rest:
                 keys = [self._keys[i] for i in rest]
                 self._kv.push(keys, grads)
                 self._kv.pull(keys, grads, ignore_sparse=False)
+            self.synchronize()  # the sums of what backward pushed (with overlap)
         for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad
             for rep, g in zip(self._reps, gs):
                 if rep[i].grad is None:
