@@ -15,7 +15,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -96,14 +96,12 @@ class Trainer:
         overlap: Optional[bool] = None,
     ):
         self._keys, self._reps = _replicas(params)
-        if isinstance(optimizer, optim.Optimizer):
-            if optimizer_params:
-                raise OptimizerError("give optimizer_params only with an optimizer name")
-            self._optimizer = optimizer
-        else:
-            self._optimizer = optim.create(optimizer, **(optimizer_params or {}))
-        self._scale = self._optimizer.rescale_grad
-        self._sent_scale: Optional[float] = None
+        if not isinstance(optimizer, optim.Optimizer):
+            optimizer = optim.create(optimizer, **(optimizer_params or {}))
+        elif optimizer_params:
+            raise OptimizerError("give optimizer_params only with an optimizer name")
+        self._optimizer = optimizer
+        self._scale = self._sent_scale = optimizer.rescale_grad  # the scale the store's optimizer has
         self._steps = 0
         self._kv = self._make_store(kvstore, update_on_kvstore)
         self._update_on_kvstore = self._pick_update_on_kvstore(update_on_kvstore)
@@ -113,10 +111,9 @@ class Trainer:
             if compression_params:
                 self._kv.set_gradient_compression(compression_params)
             self._kv.init(self._keys, [t.detach() for t in self._reps[0]])
-            self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # every worker: worker 0's weights
+            self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # worker 0's weights, everywhere
             if self._update_on_kvstore:
                 self._kv.set_optimizer(self._optimizer)
-                self._sent_scale = self._optimizer.rescale_grad
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
@@ -126,8 +123,6 @@ class Trainer:
         self._overlap = self._pick_overlap(overlap)
         if self._overlap:
             self._arm()
-
-    # -- setup ------------------------------------------------------------------------------------
 
     def _make_store(self, kvstore: Union[str, KVStore, None], update_on_kvstore: Optional[bool]) -> Optional[KVStore]:
         if kvstore is None or isinstance(kvstore, KVStore):
@@ -151,8 +146,6 @@ class Trainer:
             raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
         if asked is not None:
             return bool(asked)
-        # it pays where backward leaves the CPU free for the exchange (a GPU) or the exchange
-        # waits for a network; on one host with shared memory both compete for the same cores
         remote = self._kv is not None and len(getattr(self._kv, "_shm_servers", ())) < getattr(self._kv, "num_servers", 0)
         return dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
 
@@ -171,7 +164,7 @@ class Trainer:
             trainer = me()
             if trainer is not None and trainer._inflight:
                 for t in module._parameters.values():
-                    i = where.get(id(t)) if t is not None else None
+                    i = where.get(id(t))
                     if i is not None and i in trainer._inflight:
                         t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
@@ -200,9 +193,7 @@ class Trainer:
         if self._update_on_kvstore:  # without waiting; with pushpull the sums come back into grads
             self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
         else:
-            handle = self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False)
-            assert handle is not None
-            self._inflight[i] = handle
+            self._inflight[i] = cast(Handle, self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False))
         timeline.span(f"push {self._keys[i]}", t0)
 
     @contextlib.contextmanager
@@ -239,8 +230,6 @@ class Trainer:
         """Whether the exchange overlaps backward and the next forward."""
         return self._overlap
 
-    # -- learning rate ------------------------------------------------------------------------
-
     @property
     def learning_rate(self) -> float:
         """The learning rate the next step uses (a schedule applied)."""
@@ -252,8 +241,6 @@ class Trainer:
         self._optimizer.set_learning_rate(lr)
         if self._update_on_kvstore and self._kv is not None:
             self._kv.set_optimizer(self._optimizer)  # the same object: states are kept
-
-    # -- the step -------------------------------------------------------------------------------
 
     def _set_scale(self, batch_size: float) -> float:
         if not isinstance(batch_size, (int, float)) or isinstance(batch_size, bool) or batch_size <= 0:
@@ -289,10 +276,9 @@ class Trainer:
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size``, update.
 
-        Blocks until every replica holds the new weights (with overlap: returns once the pulls
-        are sent; each layer's forward waits for its own). Parameters without a gradient are an
-        error unless ``ignore_stale_grad`` (then they count as zero gradients, so dist rounds
-        stay complete).
+        Blocks until every replica holds the new weights (with overlap: returns once the pulls are
+        sent). A parameter without a gradient is an error unless ``ignore_stale_grad`` (then it
+        counts as a zero gradient, so dist rounds stay complete).
         """
         t0 = timeline.now()
         scale = self._set_scale(batch_size)
@@ -307,10 +293,9 @@ class Trainer:
             if rest:
                 self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
             if self._overlap:  # a pull per key: each layer's forward waits only for its own
-                for i, key in enumerate(self._keys):
-                    handle = self._kv.pull(key, [rep[i] for rep in self._reps], priority=-i, wait=False, _rescale=rescale)
-                    assert handle is not None
-                    self._inflight[i] = handle
+                for i, (key, *outs) in enumerate(zip(self._keys, *self._reps)):
+                    handle = self._kv.pull(key, outs, priority=-i, wait=False, _rescale=rescale)
+                    self._inflight[i] = cast(Handle, handle)
             else:
                 self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
@@ -352,8 +337,6 @@ class Trainer:
             for rep in self._reps[1:]:
                 for i, t in zip(which, first):
                     rep[i].copy_(t)
-
-    # -- states ---------------------------------------------------------------------------------
 
     def save_states(self, path: Union[str, Path]) -> None:
         """Write the optimizer's states (from the servers when they run it) to ``path``."""
