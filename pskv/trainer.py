@@ -65,11 +65,6 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     return keys, [first, *(ts for _, ts in others)]
 
 
-def _remove(hooks: list[Any]) -> None:
-    for h in hooks:
-        h.remove()
-
-
 class Trainer:
     """Applies an optimizer to parameters through a store. Not thread-safe.
 
@@ -171,8 +166,8 @@ class Trainer:
                         timeline.span(f"wait {trainer._keys[i]}", t0)
 
         hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
-        hooks.append(register_module_forward_pre_hook(before_forward))
-        weakref.finalize(self, _remove, hooks)
+        for hook in [*hooks, register_module_forward_pre_hook(before_forward)]:
+            weakref.finalize(self, hook.remove)
 
     def _grad_ready(self, param: Tensor) -> None:
         if not self._syncing:
