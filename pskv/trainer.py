@@ -1,9 +1,5 @@
-"""The Trainer: gradients summed over devices and workers, then one optimizer step.
-
-``trainer.step(batch_size)`` after ``loss.backward()`` scales by ``1 / batch_size`` (this worker's
-batch, as in MXNet), then either pushes the gradients and pulls the weights the store's optimizer
-updated (``update_on_kvstore``), or sums them through the store and updates here (``allreduce_grads``
-+ ``update``). Semantics: docs/SPEC.md, "Trainer"; overlap and held pushes: docs/DESIGN.md.
+"""The Trainer: gradients summed over devices and workers, then one optimizer step, on the store
+(``update_on_kvstore``) or here. Semantics: docs/SPEC.md, "Trainer"; overlap: docs/DESIGN.md.
 
 >>> trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="dist_sync")
 >>> loss(net(x), y).backward(); trainer.step(batch_size=x.shape[0])
@@ -269,7 +265,8 @@ class Trainer:
         self._steps += 1
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
-        """Sum the gradients over devices and workers, scale by ``1/batch_size``, update.
+        """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
+        batch, as in MXNet), update: on the store with ``update_on_kvstore``, else here.
 
         Blocks until every replica holds the new weights (with overlap: returns once the pulls are
         sent). A parameter without a gradient is an error unless ``ignore_stale_grad`` (then it
@@ -278,7 +275,7 @@ class Trainer:
         t0 = timeline.now()
         scale = self._set_scale(batch_size)
         if not self._update_on_kvstore:
-            self._allreduce(ignore_stale_grad)
+            self.allreduce_grads(ignore_stale_grad)
             self._update_here()
             return
         assert self._kv is not None
@@ -301,16 +298,6 @@ class Trainer:
         """Replace every replica's gradient by the sum over devices and workers."""
         if self._update_on_kvstore:
             raise TrainerError("allreduce_grads() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
-        self._allreduce(ignore_stale_grad)
-
-    def update(self, batch_size: float) -> None:
-        """Apply the optimizer to the (already summed) gradients, scaled by ``1/batch_size``."""
-        if self._update_on_kvstore:
-            raise TrainerError("update() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
-        self._set_scale(batch_size)
-        self._update_here()
-
-    def _allreduce(self, ignore_stale_grad: bool) -> None:
         rest, grads = self._unsent(ignore_stale_grad)
         with torch.no_grad():
             if self._kv is not None and rest:
@@ -323,6 +310,13 @@ class Trainer:
                 if rep[i].grad is None:
                     rep[i].grad = g
         self._next_step()
+
+    def update(self, batch_size: float) -> None:
+        """Apply the optimizer to the (already summed) gradients, scaled by ``1/batch_size``."""
+        if self._update_on_kvstore:
+            raise TrainerError("update() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
+        self._set_scale(batch_size)
+        self._update_here()
 
     def _update_here(self) -> None:
         with torch.no_grad():
