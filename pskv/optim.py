@@ -183,17 +183,6 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_hyper(h: Hyper) -> None:
-    for name in ("learning_rate", "wd", "momentum", "epsilon"):
-        if h.get(name, 0.0) < 0:
-            raise OptimizerError(f"{name} must be >= 0, got {h[name]}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= h.get(name, 0.0) < 1.0:
-            raise OptimizerError(f"{name} must be in [0, 1), got {h[name]}")
-    if h.get("nesterov") and (h["momentum"] <= 0 or h["dampening"] != 0):
-        raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
-
-
 def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
     name = spec.get("name") if isinstance(spec, Mapping) else None
     if not isinstance(name, str) or name not in _SCHEDULES:
@@ -271,7 +260,14 @@ class Optimizer:
             if not isinstance(new[key], bool) and not _is_number(value):
                 raise OptimizerError(f"{self.name}: {key} must be a finite number, got {value!r}")
             new[key] = value if isinstance(value, bool) else float(value)
-        _check_hyper(new)
+        for name in ("learning_rate", "wd", "momentum", "epsilon"):
+            if new.get(name, 0.0) < 0:
+                raise OptimizerError(f"{name} must be >= 0, got {new[name]}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= new.get(name, 0.0) < 1.0:
+                raise OptimizerError(f"{name} must be in [0, 1), got {new[name]}")
+        if new.get("nesterov") and (new["momentum"] <= 0 or new["dampening"] != 0):
+            raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
         self._hyper = new
 
     @property
