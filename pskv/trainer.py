@@ -94,17 +94,21 @@ class Trainer:
         self._optimizer = optimizer
         self._scale = self._sent_scale = optimizer.rescale_grad  # the scale the store's optimizer has
         self._steps = 0
-        self._kv = self._make_store(kvstore, update_on_kvstore)
-        self._update_on_kvstore = self._pick_update_on_kvstore(update_on_kvstore)
+        kv = self._kv = self._make_store(kvstore, update_on_kvstore)
+        if kv is None and update_on_kvstore:
+            raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
+        if kv is not None and kv.type == "dist_async" and update_on_kvstore is False:
+            raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
+        self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
-        self._held = self._kv is not None and self._update_on_kvstore and self._kv.type in ("dist_sync", "dist_device_sync")
-        if self._kv is not None:
+        self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
+        if kv is not None:
             if compression_params:
-                self._kv.set_gradient_compression(compression_params)
-            self._kv.init(self._keys, [t.detach() for t in self._reps[0]])
-            self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # worker 0's weights, everywhere
+                kv.set_gradient_compression(compression_params)
+            kv.init(self._keys, [t.detach() for t in self._reps[0]])
+            kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # worker 0's weights, everywhere
             if self._update_on_kvstore:
-                self._kv.set_optimizer(self._optimizer)
+                kv.set_optimizer(optimizer)
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
@@ -123,13 +127,6 @@ class Trainer:
         if not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore:
             return None  # one device in one process: nothing to sum
         return create(kvstore)
-
-    def _pick_update_on_kvstore(self, asked: Optional[bool]) -> bool:
-        if self._kv is None and asked:
-            raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
-        if self._kv is not None and self._kv.type == "dist_async" and asked is False:
-            raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
-        return self._kv is not None and (asked is None or bool(asked))
 
     def _pick_overlap(self, asked: Optional[bool]) -> bool:
         dist = self._kv is not None and self._kv.type.startswith("dist")
