@@ -115,7 +115,13 @@ class Trainer:
         self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
         self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
         self._syncing = True
-        self._overlap = self._pick_overlap(overlap)
+        dist = kv is not None and kv.type.startswith("dist")
+        if overlap and not dist:
+            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
+        if overlap is None:  # on where it pays: parameters on a GPU, or servers on other hosts
+            remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
+            overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
+        self._overlap = bool(overlap)
         if self._overlap:
             self._arm()
 
@@ -127,15 +133,6 @@ class Trainer:
         if not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore:
             return None  # one device in one process: nothing to sum
         return create(kvstore)
-
-    def _pick_overlap(self, asked: Optional[bool]) -> bool:
-        dist = self._kv is not None and self._kv.type.startswith("dist")
-        if asked and not dist:
-            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
-        if asked is not None:
-            return bool(asked)
-        remote = self._kv is not None and len(getattr(self._kv, "_shm_servers", ())) < getattr(self._kv, "num_servers", 0)
-        return dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
 
     def _arm(self) -> None:
         """Hooks: each gradient leaves when backward has made it for every replica; each module
