@@ -94,7 +94,12 @@ class Trainer:
         self._optimizer = optimizer
         self._scale = self._sent_scale = optimizer.rescale_grad  # the scale the store's optimizer has
         self._steps = 0
-        kv = self._kv = self._make_store(kvstore, update_on_kvstore)
+        if isinstance(kvstore, str):  # a local store for one device in one process would sum nothing
+            one_device = not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore
+            kvstore = None if one_device else create(kvstore)
+        elif kvstore is not None and not isinstance(kvstore, KVStore):
+            raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
+        kv = self._kv = kvstore
         if kv is None and update_on_kvstore:
             raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
         if kv is not None and kv.type == "dist_async" and update_on_kvstore is False:
@@ -124,15 +129,6 @@ class Trainer:
         self._overlap = bool(overlap)
         if self._overlap:
             self._arm()
-
-    def _make_store(self, kvstore: Union[str, KVStore, None], update_on_kvstore: Optional[bool]) -> Optional[KVStore]:
-        if kvstore is None or isinstance(kvstore, KVStore):
-            return kvstore
-        if not isinstance(kvstore, str):
-            raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
-        if not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore:
-            return None  # one device in one process: nothing to sum
-        return create(kvstore)
 
     def _arm(self) -> None:
         """Hooks: each gradient leaves when backward has made it for every replica; each module
