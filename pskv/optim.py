@@ -4,11 +4,6 @@ An :class:`Optimizer` is a plain description (a name, numbers, an optional ``lr_
 travels as JSON, never pickled, plus update rules in torch ops that follow ``torch.optim``'s code
 operation by operation, so the same hyperparameters give the same numbers. Names, defaults, order
 and schedules: docs/SPEC.md, "Optimizers"; row-sparse gradients update only the rows present.
-
->>> opt = create("sgd", learning_rate=0.1, momentum=0.9, wd=5e-4)
->>> w = torch.ones(3); opt.update(0, torch.full((3,), 2.0), w)
->>> w
-tensor([0.8000, 0.8000, 0.8000])
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class Trainer:
         elif optimizer_params:
             raise OptimizerError("give optimizer_params only with an optimizer name")
         self._optimizer = optimizer
-        self._scale = self._sent_scale = optimizer.rescale_grad  # the scale the store's optimizer has
+        self._scale = self._sent_scale = optimizer.rescale_grad  # _sent_scale: the store's optimizer's
         self._steps = 0
         if isinstance(kvstore, str):  # a local store for one device in one process would sum nothing
             one_device = not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore
@@ -131,8 +131,8 @@ class Trainer:
             self._arm()
 
     def _arm(self) -> None:
-        """Hooks: each gradient leaves when backward has made it for every replica; each module
-        waits for its parameters' exchange before its forward."""
+        """Hooks: a gradient leaves once backward made it for every replica; a module's forward waits
+        for its parameters' exchange."""
         where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
 
