@@ -1,18 +1,9 @@
 """Optimizers that run where the weights live: in the worker's process or on the servers.
 
 An :class:`Optimizer` is a plain description (a name, numbers, an optional ``lr_scheduler``) that
-travels as JSON, never pickled, plus update rules in torch ops. The rules follow ``torch.optim``'s
-single-tensor code paths operation by operation, so the same hyperparameters give the same
-numbers. Besides ``learning_rate``, ``wd``, ``rescale_grad``, ``clip_gradient`` and ``lr_scheduler``
-(their order and the schedules: docs/SPEC.md, "Optimizers"), ``sgd`` takes momentum, dampening,
-nesterov (``SGD``); ``adam`` beta1, beta2, epsilon (``Adam``; row-sparse gradients: ``SparseAdam``);
-``adamw`` the same, with wd 0.01 by default (``AdamW``); ``adagrad`` epsilon, lr_decay,
-initial_accumulator_value (``Adagrad``). Row-sparse gradients update only the rows present.
-
->>> opt = create("sgd", learning_rate=0.1, momentum=0.9, wd=5e-4)
->>> w = torch.ones(3); opt.update(0, torch.full((3,), 2.0), w)
->>> w
-tensor([0.7999, 0.7999, 0.7999])
+travels as JSON, never pickled, plus update rules in torch ops that follow ``torch.optim``'s code
+operation by operation, so the same hyperparameters give the same numbers. Names, defaults, order
+and schedules: docs/SPEC.md, "Optimizers"; row-sparse gradients update only the rows present.
 """
 
 from __future__ import annotations
@@ -46,19 +37,15 @@ class KeyState:
     tensors: dict[str, Tensor]
 
 
-# Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
-# weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
-# dense one is never the caller's tensor (rows are unique and sorted; values are not written).
-DenseFn = Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
-SparseFn = Callable[[Hyper, float, KeyState, Tensor, Tensor, Tensor], None]
-
-
 def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
     """Row indices (unique, sorted) and row values of a row-sparse tensor."""
     g = g.coalesce()
     return g.indices()[0], g.values()
 
 
+# Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
+# weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
+# dense one may be the caller's unless _Rule.writes_grad (rows are unique and sorted; values are not written).
 def _sgd_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
     return {"momentum_buffer": torch.zeros_like(w)} if h["momentum"] != 0 else {}
 
@@ -158,8 +145,8 @@ def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tenso
 class _Rule:
     defaults: Hyper
     state: Callable[[Hyper, Tensor], dict[str, Tensor]]
-    dense: DenseFn
-    sparse: SparseFn
+    dense: Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
+    sparse: Callable[[Hyper, float, KeyState, Tensor, Tensor, Tensor], None]
     writes_grad: Callable[[Hyper], bool]  # does ``dense`` overwrite its gradient?
 
 
@@ -191,30 +178,17 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_hyper(h: Hyper) -> None:
-    for name in ("learning_rate", "wd"):
-        if h[name] < 0:
-            raise OptimizerError(f"{name} must be >= 0, got {h[name]}")
-    for name in ("beta1", "beta2"):
-        if not 0.0 <= h.get(name, 0.0) < 1.0:
-            raise OptimizerError(f"{name} must be in [0, 1), got {h[name]}")
-    if h.get("momentum", 0.0) < 0:
-        raise OptimizerError(f"momentum must be >= 0, got {h['momentum']}")
-    if h.get("nesterov") and (h["momentum"] <= 0 or h["dampening"] != 0):
-        raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
-    if h.get("epsilon", 0.0) < 0:
-        raise OptimizerError(f"epsilon must be >= 0, got {h['epsilon']}")
-
-
 def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
     name = spec.get("name") if isinstance(spec, Mapping) else None
     if not isinstance(name, str) or name not in _SCHEDULES:
         raise OptimizerError(f"unknown lr_scheduler {spec!r}: it must be a dict with a 'name' out of {sorted(_SCHEDULES)}")
     out: dict[str, Any] = {"name": name}
     for field, default in _SCHEDULES[name].items():
-        out[field] = spec.get(field, default)
-        if out[field] is None:
+        value = out[field] = spec.get(field, default)
+        if value is None:
             raise OptimizerError(f"lr_scheduler {name!r} needs {field!r}")
+        if not _is_number(value) and (name, field) != ("multifactor", "step"):  # checked below
+            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
     unknown = set(spec) - set(out)
     if unknown:
         raise OptimizerError(f"lr_scheduler {name!r} does not take {sorted(unknown)}")
@@ -224,10 +198,6 @@ def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise OptimizerError(f"lr_scheduler 'multifactor' needs 'step' as a list of positive ints, got {steps!r}")
         if steps != sorted(steps):
             raise OptimizerError(f"lr_scheduler 'multifactor' steps must increase, got {steps!r}")
-    for field, value in out.items():
-        is_step_list = name == "multifactor" and field == "step"
-        if field != "name" and not is_step_list and not _is_number(value):
-            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
     if name == "step" and not (_is_int(out["step"]) and out["step"] > 0):
         raise OptimizerError(f"lr_scheduler 'step' needs a positive int 'step', got {out['step']!r}")
     if name == "cosine" and not (_is_int(out["max_update"]) and out["max_update"] > out["warmup_steps"] >= 0):
@@ -285,7 +255,14 @@ class Optimizer:
             if not isinstance(new[key], bool) and not _is_number(value):
                 raise OptimizerError(f"{self.name}: {key} must be a finite number, got {value!r}")
             new[key] = value if isinstance(value, bool) else float(value)
-        _check_hyper(new)
+        for name in ("learning_rate", "wd", "momentum", "epsilon"):
+            if new.get(name, 0.0) < 0:
+                raise OptimizerError(f"{name} must be >= 0, got {new[name]}")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= new.get(name, 0.0) < 1.0:
+                raise OptimizerError(f"{name} must be in [0, 1), got {new[name]}")
+        if new.get("nesterov") and (new["momentum"] <= 0 or new["dampening"] != 0):
+            raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
         self._hyper = new
 
     @property
@@ -319,7 +296,7 @@ class Optimizer:
     @property
     def learning_rate(self) -> float:
         """The learning rate the next update uses (schedule applied)."""
-        return scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update + 1)
+        return self._lr(self.num_update + 1)
 
     def set_learning_rate(self, lr: float) -> None:
         """Set the base learning rate (a schedule, if any, is applied on top of it)."""
@@ -333,44 +310,42 @@ class Optimizer:
         """Set the factor every gradient is multiplied by (the Trainer sets ``1 / batch_size``)."""
         self._set({"rescale_grad": scale})
 
-    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
-        """Update ``weight`` of ``key`` in place. ``grad`` is not modified unless ``grad_is_scratch``
-        (then the update works in it, else a dense gradient may be copied once)."""
+    def _lr(self, num_update: int) -> float:
+        return scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, num_update)
+
+    def _key_state(self, key: int, weight: Tensor) -> KeyState:
+        """``key``'s state (a new one shaped like ``weight``), its update counted."""
         st = self.states.get(key)
         if st is None:
             st = self.states[key] = KeyState(0, self._rule.state(self._hyper, weight))
         st.step += 1
         self.num_update = max(self.num_update, st.step)
-        lr = scheduled_lr(float(self._hyper["learning_rate"]), self._schedule, self.num_update)
-        h = self._hyper
+        return st
+
+    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
+        """Update ``weight`` of ``key`` in place. ``grad`` is not modified unless ``grad_is_scratch``
+        (then the update works in it, else a dense gradient may be copied once)."""
+        st = self._key_state(key, weight)
+        h, lr = self._hyper, self._lr(self.num_update)
         if grad.is_sparse:
             rows, vals = _rows(grad)
             self._rule.sparse(h, lr, st, rows, self._prepare(vals), weight)
-        elif grad_is_scratch:
-            self._rule.dense(h, lr, st, self._prepare(grad, inplace=True), weight)
-        else:
-            g = self._prepare(grad)  # a new tensor if rescaled or clipped
-            if g is grad and self._rule.writes_grad(h):
-                g = grad.clone()
-            self._rule.dense(h, lr, st, g, weight)
+            return
+        g = self._prepare(grad, inplace=grad_is_scratch)  # a new tensor if rescaled or clipped
+        if g is grad and not grad_is_scratch and self._rule.writes_grad(h):
+            g = grad.clone()
+        self._rule.dense(h, lr, st, g, weight)
 
     def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
         """:meth:`update` of many keys: dense sgd of tensors on one device with torch's foreach
         kernels (a few launches for every parameter, not a few per parameter), the same numbers."""
         h = self._hyper
-        if not grads:
-            return
-        if self.name != "sgd" or h["clip_gradient"] > 0 or any(g.is_sparse or g.device != grads[0].device for g in grads):
+        one_device = all(not g.is_sparse and g.device == grads[0].device for g in grads)
+        if not grads or self.name != "sgd" or h["clip_gradient"] > 0 or not one_device:
             for k, g, w in zip(keys, grads, weights):
                 self.update(k, g, w)
             return
-        states = []
-        for k, w in zip(keys, weights):
-            st = self.states.get(k) or self.states.setdefault(k, KeyState(0, self._rule.state(h, w)))
-            st.step += 1
-            self.num_update = max(self.num_update, st.step)
-            states.append(st)
-        lr = scheduled_lr(float(h["learning_rate"]), self._schedule, self.num_update)
+        states = [self._key_state(k, w) for k, w in zip(keys, weights)]
         gs = list(torch._foreach_mul(list(grads), float(h["rescale_grad"])))  # new tensors: grads untouched
         if h["wd"] != 0:
             torch._foreach_add_(gs, list(weights), alpha=h["wd"])
@@ -386,7 +361,7 @@ class Optimizer:
                 torch._foreach_add_(gs, bufs, alpha=float(h["momentum"]))
             else:
                 gs = bufs
-        torch._foreach_add_(list(weights), gs, alpha=-lr)
+        torch._foreach_add_(list(weights), gs, alpha=-self._lr(self.num_update))
 
     def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
         scale, clip = self._hyper["rescale_grad"], self._hyper["clip_gradient"]

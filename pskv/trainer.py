@@ -1,18 +1,5 @@
-"""The Trainer: gradients summed over devices and workers, then one optimizer step.
-
-``trainer.step(batch_size)`` after ``loss.backward()`` scales by ``1 / batch_size`` (this
-worker's batch: the gradients of W workers' batches are summed, as in MXNet), then either pushes
-the gradients (one per device replica) and pulls the weights the store's optimizer updated
-(``update_on_kvstore``, the default for dist stores), or sums them through the store and updates
-here (``allreduce_grads`` + ``update``). Keys are the parameters' order, or their names with
-``named_parameters()``; shared tensors are trained once, frozen ones left alone; one iterable per
-device replica trains several devices in one process. BatchNorm statistics stay per worker.
-
-With ``overlap`` (on by default for a dist store with GPU parameters or remote servers) the
-gradients leave from autograd hooks during backward and each layer waits for its new weights
-just before its next forward; docs/DESIGN.md says how the numbers stay those of the plain path.
-Accumulate gradients inside ``with trainer.no_sync():``; call ``trainer.synchronize()`` before
-reading the weights outside a forward.
+"""The Trainer: gradients summed over devices and workers, then one optimizer step, on the store
+(``update_on_kvstore``) or here. Semantics: docs/SPEC.md, "Trainer"; overlap: docs/DESIGN.md.
 
 >>> trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="dist_sync")
 >>> loss(net(x), y).backward(); trainer.step(batch_size=x.shape[0])
@@ -24,7 +11,7 @@ import contextlib
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor
@@ -74,20 +61,19 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     return keys, [first, *(ts for _, ts in others)]
 
 
-def _remove(hooks: list[Any]) -> None:
-    for h in hooks:
-        h.remove()
-
-
 class Trainer:
     """Applies an optimizer to parameters through a store. Not thread-safe.
 
+    ``params``: tensors, ``(name, tensor)`` pairs or a dict (keys: the order, or the names), or one of
+    those per device replica; shared tensors are trained once, frozen ones left alone.
     ``kvstore``: a store type name (``"device"`` by default, as in MXNet), a store, or ``None``.
     A ``local``/``device`` store with a single replica is skipped (the optimizer runs here).
     ``update_on_kvstore=None`` picks: True for dist types and for several replicas; ``dist_async``
     requires it; False runs the optimizer here and uses the store only to sum gradients.
-    ``overlap``: exchange during backward and the next forward (see the module docstring);
-    ``None`` turns it on where it pays.
+    ``overlap``: gradients leave from autograd hooks during backward and each layer waits for its
+    new weights just before its next forward (accumulate gradients inside :meth:`no_sync`; call
+    :meth:`synchronize` before reading weights outside a forward); ``None`` turns it on where it
+    pays (a dist store with GPU parameters or remote servers).
     """
 
     def __init__(
@@ -101,74 +87,52 @@ class Trainer:
         overlap: Optional[bool] = None,
     ):
         self._keys, self._reps = _replicas(params)
-        if isinstance(optimizer, optim.Optimizer):
-            if optimizer_params:
-                raise OptimizerError("give optimizer_params only with an optimizer name")
-            self._optimizer = optimizer
-        else:
-            self._optimizer = optim.create(optimizer, **(optimizer_params or {}))
-        self._scale = self._optimizer.rescale_grad
-        self._sent_scale: Optional[float] = None
+        if not isinstance(optimizer, optim.Optimizer):
+            optimizer = optim.create(optimizer, **(optimizer_params or {}))
+        elif optimizer_params:
+            raise OptimizerError("give optimizer_params only with an optimizer name")
+        self._optimizer = optimizer
+        self._scale = self._sent_scale = optimizer.rescale_grad  # _sent_scale: the store's optimizer's
         self._steps = 0
-        self._kv = self._make_store(kvstore, update_on_kvstore)
-        self._update_on_kvstore = self._pick_update_on_kvstore(update_on_kvstore)
+        if isinstance(kvstore, str):  # a local store for one device in one process would sum nothing
+            one_device = not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore
+            kvstore = None if one_device else create(kvstore)
+        elif kvstore is not None and not isinstance(kvstore, KVStore):
+            raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
+        kv = self._kv = kvstore
+        if kv is None and update_on_kvstore:
+            raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
+        if kv is not None and kv.type == "dist_async" and update_on_kvstore is False:
+            raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
+        self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
-        self._held = self._kv is not None and self._update_on_kvstore and self._kv.type in ("dist_sync", "dist_device_sync")
-        if self._kv is not None:
+        self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
+        if kv is not None:
             if compression_params:
-                self._kv.set_gradient_compression(compression_params)
-            self._kv.init(self._keys, [t.detach() for t in self._reps[0]])
-            self._kv.pull(self._keys, self._per_key(lambda t: t))  # every replica, every worker: worker 0's weights
+                kv.set_gradient_compression(compression_params)
+            kv.init(self._keys, [t.detach() for t in self._reps[0]])
+            kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # worker 0's weights, everywhere
             if self._update_on_kvstore:
-                self._kv.set_optimizer(self._optimizer)
-                self._sent_scale = self._optimizer.rescale_grad
+                kv.set_optimizer(optimizer)
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
         self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
         self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
         self._syncing = True
-        self._overlap = self._pick_overlap(overlap)
+        dist = kv is not None and kv.type.startswith("dist")
+        if overlap and not dist:
+            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
+        if overlap is None:  # on where it pays: parameters on a GPU, or servers on other hosts
+            remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
+            overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
+        self._overlap = bool(overlap)
         if self._overlap:
             self._arm()
 
-    # -- setup ------------------------------------------------------------------------------------
-
-    def _make_store(self, kvstore: Union[str, KVStore, None], update_on_kvstore: Optional[bool]) -> Optional[KVStore]:
-        if kvstore is None or isinstance(kvstore, KVStore):
-            return kvstore
-        if not isinstance(kvstore, str):
-            raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
-        if not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore:
-            return None  # one device in one process: nothing to sum
-        return create(kvstore)
-
-    def _pick_update_on_kvstore(self, asked: Optional[bool]) -> bool:
-        kv = self._kv
-        if kv is None:
-            if asked:
-                raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
-            return False
-        if kv.type == "dist_async":
-            if asked is False:
-                raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
-            return True
-        return True if asked is None else bool(asked)
-
-    def _pick_overlap(self, asked: Optional[bool]) -> bool:
-        dist = self._kv is not None and self._kv.type.startswith("dist")
-        if asked and not dist:
-            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
-        if asked is not None:
-            return bool(asked)
-        # it pays where backward leaves the CPU free for the exchange (a GPU) or the exchange
-        # waits for a network; on one host with shared memory both compete for the same cores
-        remote = self._kv is not None and len(getattr(self._kv, "_shm_servers", ())) < getattr(self._kv, "num_servers", 0)
-        return dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
-
     def _arm(self) -> None:
-        """Hooks: each gradient leaves when backward has made it for every replica; each module
-        waits for its parameters' exchange before its forward."""
+        """Hooks: a gradient leaves once backward made it for every replica; a module's forward waits
+        for its parameters' exchange."""
         where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
 
@@ -181,15 +145,15 @@ class Trainer:
             trainer = me()
             if trainer is not None and trainer._inflight:
                 for t in module._parameters.values():
-                    i = where.get(id(t)) if t is not None else None
+                    i = where.get(id(t))
                     if i is not None and i in trainer._inflight:
                         t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
                         timeline.span(f"wait {trainer._keys[i]}", t0)
 
         hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
-        hooks.append(register_module_forward_pre_hook(before_forward))
-        weakref.finalize(self, _remove, hooks)
+        for hook in [*hooks, register_module_forward_pre_hook(before_forward)]:
+            weakref.finalize(self, hook.remove)
 
     def _grad_ready(self, param: Tensor) -> None:
         if not self._syncing:
@@ -201,21 +165,17 @@ class Trainer:
                 "over several backward passes inside `with trainer.no_sync():` (all but the last)"
             )
         self._ready[i] += 1
-        if self._ready[i] == len(self._reps):
-            t0 = timeline.now()
-            self._send(i, [rep[i].grad for rep in self._reps])  # type: ignore[misc]
-            timeline.span(f"push {self._keys[i]}", t0)
-
-    def _send(self, i: int, grads: list[Tensor]) -> None:
-        """Push key ``i``'s gradients (without waiting); gradient sums come back into them."""
+        if self._ready[i] < len(self._reps):
+            return
         assert self._kv is not None
+        t0 = timeline.now()
         self._pushed[i] = True  # till the end of step: a second gradient before then is refused
-        if self._update_on_kvstore:
+        grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
+        if self._update_on_kvstore:  # without waiting; with pushpull the sums come back into grads
             self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
         else:
-            handle = self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False)
-            assert handle is not None
-            self._inflight[i] = handle
+            self._inflight[i] = cast(Handle, self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False))
+        timeline.span(f"push {self._keys[i]}", t0)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -251,11 +211,6 @@ class Trainer:
         """Whether the exchange overlaps backward and the next forward."""
         return self._overlap
 
-    def _per_key(self, pick: Any) -> list[list[Tensor]]:
-        return [[pick(rep[i]) for rep in self._reps] for i in range(len(self._keys))]
-
-    # -- learning rate ------------------------------------------------------------------------
-
     @property
     def learning_rate(self) -> float:
         """The learning rate the next step uses (a schedule applied)."""
@@ -268,8 +223,6 @@ class Trainer:
         if self._update_on_kvstore and self._kv is not None:
             self._kv.set_optimizer(self._optimizer)  # the same object: states are kept
 
-    # -- the step -------------------------------------------------------------------------------
-
     def _set_scale(self, batch_size: float) -> float:
         if not isinstance(batch_size, (int, float)) or isinstance(batch_size, bool) or batch_size <= 0:
             raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")
@@ -281,59 +234,52 @@ class Trainer:
             self._sent_scale = scale
         return scale
 
-    def _grads(self, ignore_stale_grad: bool, which: Sequence[int]) -> list[list[Tensor]]:
-        out = []
+    def _unsent(self, ignore_stale_grad: bool) -> tuple[list[int], list[list[Tensor]]]:
+        """The keys backward did not push (all of them without overlap) and their gradients."""
+        which = [i for i, sent in enumerate(self._pushed) if not sent]
+        grads: list[list[Tensor]] = []
         for i in which:
-            grads = []
+            grads.append([])
             for d, rep in enumerate(self._reps):
                 g = rep[i].grad
-                if g is None:
-                    if not ignore_stale_grad:
-                        raise TrainerError(
-                            f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was not used in the forward pass "
-                            "since the last step; pass ignore_stale_grad=True to push zeros for it"
-                        )
-                    g = torch.zeros_like(rep[i])
-                grads.append(g)
-            out.append(grads)
-        return out
-
-    def _unsent(self) -> list[int]:
-        """The keys backward did not push (all of them without overlap)."""
-        return [i for i, sent in enumerate(self._pushed) if not sent]
+                if g is None and not ignore_stale_grad:
+                    raise TrainerError(
+                        f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was not used in the forward pass "
+                        "since the last step; pass ignore_stale_grad=True to push zeros for it"
+                    )
+                grads[-1].append(torch.zeros_like(rep[i]) if g is None else g)
+        return which, grads
 
     def _next_step(self) -> None:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
-        """Sum the gradients over devices and workers, scale by ``1/batch_size``, update.
+        """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
+        batch, as in MXNet), update: on the store with ``update_on_kvstore``, else here.
 
-        Blocks until every replica holds the new weights (with overlap: returns once the pulls
-        are sent; each layer's forward waits for its own). Parameters without a gradient are an
-        error unless ``ignore_stale_grad`` (then they count as zero gradients, so dist rounds
-        stay complete).
+        Blocks until every replica holds the new weights (with overlap: returns once the pulls are
+        sent). A parameter without a gradient is an error unless ``ignore_stale_grad`` (then it
+        counts as a zero gradient, so dist rounds stay complete).
         """
         t0 = timeline.now()
         scale = self._set_scale(batch_size)
         if not self._update_on_kvstore:
-            self._allreduce(ignore_stale_grad)
+            self.allreduce_grads(ignore_stale_grad)
             self._update_here()
             return
         assert self._kv is not None
-        rest = self._unsent()
-        grads = self._grads(ignore_stale_grad, rest)
+        rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         with torch.no_grad():
             if rest:
                 self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
             if self._overlap:  # a pull per key: each layer's forward waits only for its own
-                for i, key in enumerate(self._keys):
-                    handle = self._kv.pull(key, [rep[i] for rep in self._reps], priority=-i, wait=False, _rescale=rescale)
-                    assert handle is not None
-                    self._inflight[i] = handle
+                for i, (key, *outs) in enumerate(zip(self._keys, *self._reps)):
+                    handle = self._kv.pull(key, outs, priority=-i, wait=False, _rescale=rescale)
+                    self._inflight[i] = cast(Handle, handle)
             else:
-                self._kv.pull(self._keys, self._per_key(lambda t: t), _rescale=rescale)
+                self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
         self._next_step()
         timeline.span("step", t0)
@@ -342,7 +288,18 @@ class Trainer:
         """Replace every replica's gradient by the sum over devices and workers."""
         if self._update_on_kvstore:
             raise TrainerError("allreduce_grads() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
-        self._allreduce(ignore_stale_grad)
+        rest, grads = self._unsent(ignore_stale_grad)
+        with torch.no_grad():
+            if self._kv is not None and rest:
+                keys = [self._keys[i] for i in rest]
+                self._kv.push(keys, grads)
+                self._kv.pull(keys, grads, ignore_sparse=False)
+            self.synchronize()  # the sums of what backward pushed (with overlap)
+        for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad
+            for rep, g in zip(self._reps, gs):
+                if rep[i].grad is None:
+                    rep[i].grad = g
+        self._next_step()
 
     def update(self, batch_size: float) -> None:
         """Apply the optimizer to the (already summed) gradients, scaled by ``1/batch_size``."""
@@ -350,24 +307,6 @@ class Trainer:
             raise TrainerError("update() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
         self._set_scale(batch_size)
         self._update_here()
-
-    def _allreduce(self, ignore_stale_grad: bool) -> None:
-        rest = self._unsent()
-        grads = self._grads(ignore_stale_grad, rest)
-        with torch.no_grad():
-            if self._kv is not None and self._overlap:
-                for i, key_grads in zip(rest, grads):
-                    self._send(i, key_grads)
-                self.synchronize()
-            elif self._kv is not None and rest:
-                keys = [self._keys[i] for i in rest]
-                self._kv.push(keys, grads)
-                self._kv.pull(keys, grads, ignore_sparse=False)
-        for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad
-            for rep, g in zip(self._reps, gs):
-                if rep[i].grad is None:
-                    rep[i].grad = g
-        self._next_step()
 
     def _update_here(self) -> None:
         with torch.no_grad():
@@ -377,8 +316,6 @@ class Trainer:
             for rep in self._reps[1:]:
                 for i, t in zip(which, first):
                     rep[i].copy_(t)
-
-    # -- states ---------------------------------------------------------------------------------
 
     def save_states(self, path: Union[str, Path]) -> None:
         """Write the optimizer's states (from the servers when they run it) to ``path``."""
