@@ -338,9 +338,11 @@ class Optimizer:
 
     def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
         """:meth:`update` of many keys: dense sgd of tensors on one device with torch's foreach
-        kernels (a few launches for every parameter, not a few per parameter), the same numbers."""
+        kernels (a few launches for every parameter, not a few per parameter), the same numbers
+        (half-precision types take :meth:`update`: their foreach kernels round differently)."""
         h = self._hyper
-        one_device = all(not g.is_sparse and g.device == grads[0].device for g in grads)
+        full = (torch.float32, torch.float64)
+        one_device = all(not g.is_sparse and g.device == grads[0].device and g.dtype in full for g in grads)
         if not grads or self.name != "sgd" or h["clip_gradient"] > 0 or not one_device:
             for k, g, w in zip(keys, grads, weights):
                 self.update(k, g, w)

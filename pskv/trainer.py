@@ -19,7 +19,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from . import optim
 from .errors import OptimizerError, TrainerError
-from .kv import KVStore, create
+from .kv import ALIASES, TYPES, KVStore, create
 from .kv.base import Key
 from .ps import timeline
 from .ps.tracker import Handle
@@ -95,6 +95,8 @@ class Trainer:
         self._scale = self._sent_scale = optimizer.rescale_grad  # _sent_scale: the store's optimizer's
         self._steps = 0
         if isinstance(kvstore, str):  # a local store for one device in one process would sum nothing
+            if kvstore not in (*TYPES, *ALIASES):
+                raise TrainerError(f"unknown store type {kvstore!r}; known: {', '.join([*TYPES, *ALIASES])}")
             one_device = not kvstore.startswith("dist") and len(self._reps) == 1 and not update_on_kvstore
             kvstore = None if one_device else create(kvstore)
         elif kvstore is not None and not isinstance(kvstore, KVStore):
@@ -165,12 +167,12 @@ class Trainer:
                 "over several backward passes inside `with trainer.no_sync():` (all but the last)"
             )
         self._ready[i] += 1
-        if self._ready[i] < len(self._reps):
-            return
+        grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
+        if self._ready[i] < len(self._reps) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
+            return  # a sparse sum comes back by pull in step (pushpull would not fill a sparse grad)
         assert self._kv is not None
         t0 = timeline.now()
         self._pushed[i] = True  # till the end of step: a second gradient before then is refused
-        grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
         if self._update_on_kvstore:  # without waiting; with pushpull the sums come back into grads
             self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
         else:
@@ -333,3 +335,4 @@ class Trainer:
             self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
         else:
             self._optimizer.load_state_dict(optim.load_states(path), weights=dict(enumerate(self._reps[0])))
+        self._steps = self._optimizer.num_update  # the schedule goes on from the saved step

@@ -20,7 +20,7 @@ from ..errors import KVStoreError
 from .base import KeyMeta, KVStore
 
 TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
-_ALIASES = {
+ALIASES = {
     "dist": "dist_sync",
     "local_update_cpu": "local",
     "local_allreduce_cpu": "local",
@@ -40,9 +40,9 @@ def create(name: str = "local") -> KVStore:
     """
     if not isinstance(name, str):
         raise KVStoreError(f"store type must be a str, got {type(name).__name__}")
-    canonical = _ALIASES.get(name, name)
+    canonical = ALIASES.get(name, name)
     if canonical not in TYPES:
-        raise KVStoreError(f"unknown store type {name!r}; known: {', '.join([*TYPES, *_ALIASES])}")
+        raise KVStoreError(f"unknown store type {name!r}; known: {', '.join([*TYPES, *ALIASES])}")
     if canonical.startswith("dist"):
         from .dist import create_dist
 
@@ -52,4 +52,4 @@ def create(name: str = "local") -> KVStore:
     return LocalStore(canonical)
 
 
-__all__ = ["TYPES", "KVStore", "KeyMeta", "create"]
+__all__ = ["ALIASES", "TYPES", "KVStore", "KeyMeta", "create"]

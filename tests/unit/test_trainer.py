@@ -176,6 +176,8 @@ def test_misuse_is_a_clear_error(inproc_job: Job) -> None:
         pskv.Trainer([torch.ones(2)], "sgd")
     with pytest.raises(pskv.OptimizerError, match="did you mean 'learning_rate'"):
         pskv.Trainer([_ones_param()], "sgd", {"lr": 0.1})
+    with pytest.raises(pskv.TrainerError, match="unknown store type 'nope'"):
+        pskv.Trainer([_ones_param()], "sgd", kvstore="nope")  # one replica: no store would be made
     job = inproc_job(1, 1)
     with job.worker("dist_async") as kv, pytest.raises(pskv.TrainerError, match="dist_async applies updates on the servers"):
         pskv.Trainer([_ones_param()], "sgd", kvstore=kv, update_on_kvstore=False)
@@ -211,6 +213,29 @@ def test_learning_rate_schedule_and_set(inproc_job: Job) -> None:
         p.grad = torch.ones(1)
         tr.step(1)
         assert p.item() == pytest.approx(-1.1 - 1.0)
+
+
+@pytest.mark.parametrize("store", [None, "dist_sync"])
+def test_a_resumed_schedule_goes_on_from_the_saved_step(store: Any, inproc_job: Job, tmp_path: Path) -> None:
+    """lr = 1 * 0.1^floor(num_update / 2): after 3 steps saved, the 4th and 5th use 0.1 and 0.01."""
+    kvs = [inproc_job(1, 1).worker() if store else None for _ in range(2)]
+    sched = {"name": "step", "step": 2, "factor": 0.1}
+    first = pskv.Trainer([_ones_param(1)], "sgd", {"learning_rate": 1.0, "lr_scheduler": sched}, kvstore=kvs[0])
+    for p in first._reps[0] * 3:
+        p.grad = torch.ones(1)
+        first.step(1)
+    first.save_states(tmp_path / "states")
+    again = pskv.Trainer([_ones_param(1)], "sgd", {"learning_rate": 1.0, "lr_scheduler": sched}, kvstore=kvs[1])
+    again.load_states(tmp_path / "states")
+    lrs = []
+    for p in again._reps[0] * 2:
+        lrs.append(again.learning_rate)
+        p.grad = torch.ones(1)
+        again.step(1)
+    assert lrs == pytest.approx([0.1, 0.01]) == [first.learning_rate, 0.01]
+    for kv in kvs:
+        if kv is not None:
+            kv.close()
 
 
 @pytest.mark.parametrize("store", [None, "device", "dist_sync"])
@@ -347,6 +372,25 @@ def test_overlap_with_gradient_accumulation_and_zeroed_grads(inproc_job: Job) ->
     for worker in range(2):
         for a, b in zip(plain[worker], overlapped[worker]):
             assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_overlap_sums_sparse_gradients_without_update_on_kvstore(inproc_job: Job) -> None:
+    """Sparse embedding gradients, the optimizer here: the sum over workers reaches both with
+    overlap on as off (w = 1 - lr * (rows looked up by worker 0 + by worker 1))."""
+
+    def body(kv: KVStore, overlap: bool) -> torch.Tensor:
+        emb = nn.Embedding(6, 2, sparse=True)
+        nn.init.ones_(emb.weight)
+        tr = pskv.Trainer(emb.parameters(), "sgd", {"learning_rate": 0.5}, kvstore=kv, update_on_kvstore=False, overlap=overlap)
+        emb(torch.tensor([0, 1, 1] if kv.rank == 0 else [1, 4])).sum().backward()
+        tr.step(1)
+        tr.synchronize()
+        return emb.weight.detach().clone()
+
+    want = torch.ones(6, 2) - 0.5 * torch.tensor([1.0, 3, 0, 0, 1, 0]).unsqueeze(1)
+    for overlap in (False, True):
+        for got in inproc_job(2, 1).run_workers(lambda kv, o=overlap: body(kv, o)):
+            assert torch.equal(got, want), (overlap, got)
 
 
 def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> None:
