@@ -1,5 +1,5 @@
-"""Hosts: hostfiles, the round-robin placement of processes over them, and the address the
-scheduler binds so that every host reaches it."""
+"""Hostfiles, the round-robin placement of processes over their hosts, and the address the
+scheduler binds so that every host reaches it (docs/launchers/ssh.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Host:
 
 
 def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
-    """The hosts of a hostfile, in order; a host listed twice counts once with the slots added.
+    """The hosts of a hostfile, in order; a host listed twice counts once, with the slots added.
 
     Lines: ``host``, ``host:port`` (the ssh port), ``[ipv6]:port``, optionally followed by
     ``slots=N`` (Open MPI's ``max_slots=N`` is accepted and ignored); ``#`` starts a comment.
@@ -60,12 +60,10 @@ def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
 def _split_host_port(text: str, where: str) -> tuple[str, Optional[int]]:
     if text.startswith("["):  # [ipv6] or [ipv6]:port
         name, close, rest = text[1:].partition("]")
-        if not close:
-            raise LaunchError(f"{where}: {text!r}: missing ']'")
+        if not close or rest[:1] not in ("", ":"):
+            raise LaunchError(f"{where}: {text!r}: expected [address] or [address]:port")
         if not rest:
             return name, None
-        if not rest.startswith(":"):
-            raise LaunchError(f"{where}: {text!r}: expected [address]:port")
         port_text = rest[1:]
     elif text.count(":") == 1:
         name, port_text = text.split(":")
@@ -94,11 +92,8 @@ def host_cycle(hosts: Sequence[Host]) -> list[Host]:
 
 
 def place(count: int, hosts: Sequence[Host]) -> list[Host]:
-    """The host of each of ``count`` processes: round robin over :func:`host_cycle`.
-
-    Servers and workers are placed separately, each starting at the first host, so with H
-    hosts of one slot worker i runs on host i % H and server j on host j % H.
-    """
+    """The host of each of ``count`` processes, round robin over :func:`host_cycle` (servers and
+    workers are placed separately, each from the first host)."""
     order = host_cycle(hosts)
     if not order:
         raise LaunchError("no host to place processes on")
@@ -106,13 +101,10 @@ def place(count: int, hosts: Sequence[Host]) -> list[Host]:
 
 
 def scheduler_address(environ: Mapping[str, str], towards: Sequence[str] = ()) -> str:
-    """The address the scheduler (on this machine) binds and every process connects to.
-
-    ``DMLC_NODE_HOST`` if set; else the address of interface ``DMLC_INTERFACE``; else this
-    machine's address on the route to the first of ``towards`` (host names or addresses of the
-    job's hosts) that is not a loopback address, so other hosts can reach it; when every host is
-    this machine's loopback, 127.0.0.1.
-    """
+    """The address the scheduler (here) binds and every process connects to: ``DMLC_NODE_HOST``;
+    else the address of interface ``DMLC_INTERFACE``; else this machine's address on the route
+    to the first of ``towards`` (the job's hosts) that is not a loopback address (127.0.0.1 when
+    all are; the default route's source address when there are none)."""
     from ..ps.node import interface_address, route_address
 
     node_host = environ.get("DMLC_NODE_HOST", "").strip()

@@ -1,16 +1,11 @@
-"""Running a job: :func:`run_job` does what every launcher does, a :class:`Backend` what is
-specific to one tool.
-
-``run_job`` starts the scheduler here (for the backends whose scheduler runs on this machine:
-it binds a free port and reports it through a pipe, under ``pskv.launch.guard --watch-stdin`` so
-that it dies with the launcher), asks the backend to start the servers and workers, and waits:
-the first process to fail stops everything (the backend's :meth:`~Backend.cancel` ends what runs
-elsewhere) and its status is the launcher's; Ctrl-C and SIGTERM stop everything too (130 / 143),
-``--timeout`` as well (124). ``--dry-run`` prints the backend's plan and starts nothing.
+"""Running a job: :func:`run_job` does what every launcher does (the scheduler here, waiting,
+stopping, the exit status, ``--timeout``, ``--dry-run``), a :class:`Backend` what is specific to
+one tool. docs/launchers/README.md, "How the launcher is built", walks through it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import select
@@ -25,27 +20,25 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Optional
+from typing import Optional
 
 from .. import config
 from ..errors import LaunchError
-from .guard import guard_argv
 from .lines import LineBuffer
-from .process import Proc, ProcessContext, Watched
+from .process import Proc, ProcessContext, Show, Stdin, Watched
 from .spec import SERVE, JobSpec
 
 
 @dataclass
 class Planned:
-    """A process to start on this machine: a role itself, or a cluster tool's client standing
-    for one or many (``ssh``, ``mpirun``, ``srun``)."""
+    """A process to start here: a role, or a cluster tool's client standing for one or many."""
 
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
     main: bool = False  # the job is done when every main process has exited with status 0
-    show: str = "prefix"  # as for ProcessContext.start
-    stdin: str = "devnull"
+    show: Show = "prefix"
+    stdin: Stdin = "devnull"
     delay: float = 0.0  # seconds to wait before starting it
 
     def describe(self) -> str:
@@ -55,29 +48,26 @@ class Planned:
 
 @dataclass
 class Done:
-    """A step that has already ended (a submission), as :meth:`ProcessContext.wait` sees it."""
+    """A submission that has already ended, as :meth:`ProcessContext.wait` watches it."""
 
     name: str
     returncode: Optional[int]
-    tail: list[str] = field(default_factory=list)
+    tail: list[str]
 
 
 class Backend:
-    """How one launcher plans, starts and cancels the job's processes.
-
-    The defaults suit a launcher whose processes all start here (local, ssh, mpirun, srun): it
-    lists them in :meth:`processes`. Batch systems override :meth:`plan` and :meth:`start`.
-    """
+    """How one launcher plans, starts and cancels the job's processes. The defaults start the
+    :meth:`processes` here (local, ssh, mpirun, srun); batch systems override :meth:`start`."""
 
     title = ""  # the heading of the --dry-run output
     address: Optional[str] = None  # the scheduler runs here, bound to this; None: it runs elsewhere
     guarded = True  # the scheduler runs under pskv.launch.guard --watch-stdin
-    scheduler_show = "prefix"
+    scheduler_show: Show = "prefix"
     slack = 0.0  # seconds added to --timeout (time in a queue)
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
-        self.scheduler_env: dict[str, str] = {}  # extra variables for the scheduler
+        self.scheduler_env: dict[str, str] = {}
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         """The processes to start here, once the scheduler listens on ``port``."""
@@ -91,8 +81,8 @@ class Backend:
         """Checks and copies before anything starts (not for ``--dry-run``)."""
 
     def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
-        """Start the servers and workers; the main processes (the workers, or what stands for
-        them) and the helpers, for :meth:`ProcessContext.wait`."""
+        """Start the servers and workers; the main processes (workers, or what stands for them)
+        and the helpers."""
         main: list[Watched] = []
         helpers: list[Watched] = []
         for p in self.processes(port):
@@ -102,7 +92,7 @@ class Backend:
         return main, helpers
 
     def cancel(self, ctx: ProcessContext) -> None:
-        """Stop what runs elsewhere (``qdel``, ``scancel``); called once, when the job stops early."""
+        """Stop what runs elsewhere (``scancel``, ``qdel``); called once, when the job stops early."""
 
     def close(self, status: Optional[int]) -> None:
         """After the job (``status`` None: it raised): remove files, or keep and name them."""
@@ -116,7 +106,7 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     whatever goes wrong later stops everything that was started. ::
 
         spec = JobSpec(num_workers=4, num_servers=2, command=["python3", "train.py"], hosts=read_hostfile("hosts"))
-        status = run_job(spec, ssh.backend(spec))
+        status = run_job(spec, ssh.Ssh(spec))
     """
     here = bool(spec.num_servers) and backend.address is not None
     if spec.dry_run:
@@ -127,11 +117,18 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
             return 0
         finally:
             backend.close(0)
-    status: Optional[int] = None
     backend.prepare()
     ctx = ProcessContext()
-    ctx.on_stop.append(lambda: backend.cancel(ctx))
-    stop = _StopOnSignal(ctx)
+    ctx.on_stop = lambda: backend.cancel(ctx)
+
+    def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:
+        ctx.report(f"got {signal.Signals(signum).name}; stopping the job")
+        ctx.stop_all()
+        raise SystemExit(128 + signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
+    status: Optional[int] = None
     try:
         helpers: list[Watched] = []
         port = None
@@ -150,64 +147,39 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         ctx.stop_all()
         raise
     finally:
-        stop.restore()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         backend.close(status)
 
 
 def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> tuple[Proc, int]:
-    """Start the scheduler here, bound to ``backend.address`` on a port of its choosing; the
-    process and that port, which it reports through a pipe (``PSKV_PORT_FD``).
+    """Start the scheduler here, bound to ``backend.address``; it and the port it chose.
 
-    Blocks until the port arrives; a scheduler that exits first, or takes longer than
-    ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`.
+    Blocks until the scheduler reports the port through a pipe (``PSKV_PORT_FD``); one that exits
+    first, or takes longer than ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`.
     """
     assert backend.address is not None
     read_fd, write_fd = os.pipe()
     env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env}
     env["PSKV_PORT_FD"] = str(write_fd)
-    argv = [*guard_argv(sys.executable, watch_stdin=True), "--", *SERVE] if backend.guarded else SERVE
-    stdin = "pipe" if backend.guarded else "devnull"
+    guard = [sys.executable, "-m", "pskv.launch.guard", "--watch-stdin", "--"] if backend.guarded else []
     try:
-        proc = ctx.start("scheduler", argv, env, pass_fds=(write_fd,), show=backend.scheduler_show, stdin=stdin)
+        stdin: Stdin = "pipe" if backend.guarded else "devnull"
+        proc = ctx.start("scheduler", [*guard, *SERVE], env, pass_fds=(write_fd,), show=backend.scheduler_show, stdin=stdin)
     finally:
         os.close(write_fd)
     timeout = config.start_timeout()
-    deadline = time.monotonic() + timeout
-    data = b""
     try:
-        while not data.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
-            if select.select([read_fd], [], [], min(left, 0.2))[0]:
-                chunk = os.read(read_fd, 64)
-                if not chunk:  # it closed the pipe without a port: it failed to start
-                    proc.popen.wait(timeout=5)
-                    raise LaunchError(f"the scheduler exited with status {proc.returncode} before reporting its port")
-                data += chunk
+        if not select.select([read_fd], [], [], timeout)[0]:
+            raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
+        data = os.read(read_fd, 64)  # one small write: the whole line, or EOF
     finally:
         os.close(read_fd)
-    return proc, int(data.strip())
-
-
-class _StopOnSignal:
-    """Ctrl-C or SIGTERM to the launcher stops the whole job (exit status 128 + signal)."""
-
-    def __init__(self, ctx: ProcessContext):
-        self.ctx = ctx
-        self.old = {}
-        if threading.current_thread() is threading.main_thread():
-            self.old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.ctx.report(f"got {signal.Signals(signum).name}; stopping the job")
-        self.ctx.stop_all()
-        self.restore()
-        raise SystemExit(128 + signum)
-
-    def restore(self) -> None:
-        for sig, handler in self.old.items():
-            signal.signal(sig, handler)
+    if not data.strip():  # it closed the pipe without a port: it failed to start
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+        raise LaunchError(f"the scheduler exited with status {proc.returncode} before reporting its port")
+    return proc, int(data)
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,69 +197,61 @@ def require_tool(name: str, launcher: str, hint: str = "") -> str:
 def run_quiet(
     argv: Sequence[str], timeout: float = 60.0, env: Optional[Mapping[str, str]] = None, input: Optional[str] = None
 ) -> subprocess.CompletedProcess[str]:
-    """Run a short helper command, output captured (``input`` on its stdin); a hang is a
+    """Run a short helper command, its output captured (``input`` on its stdin); a hang is a
     :class:`LaunchError`."""
     try:
-        return subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            input=input,
-            stdin=None if input is not None else subprocess.DEVNULL,
-            env=None if env is None else dict(env),
-        )
+        stdin = None if input is not None else subprocess.DEVNULL
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input, stdin=stdin, env=env)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"`{shlex.join(argv)}` did not finish within {timeout:g} s") from None
     except OSError as exc:
         raise LaunchError(f"cannot run `{shlex.join(argv)}`: {exc.strerror or exc}") from None
 
 
-def last_lines(text: str, n: int = 5) -> str:
-    return " | ".join([line for line in text.strip().splitlines() if line.strip()][-n:])
+def submitted(ctx: ProcessContext, name: str, res: subprocess.CompletedProcess[str], success: str) -> list[Watched]:
+    """Show a submission's output (and ``success`` if it worked); the submission, as done."""
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    if res.returncode == 0:
+        ctx.report(success)
+    return [Done(name, res.returncode, res.stderr.splitlines()[-10:])]
 
 
 class Spool(threading.Thread):
-    """A batch job's directory, new in the working directory (which the execution hosts share):
-    its scripts and output files. While it runs (:meth:`start`), the whole lines appended to the
-    files matching ``pattern`` there (asked again every 0.2 s: files appear late) are copied to
-    ``sink``; they are prefixed already (``[worker 1] ...``). :meth:`close` removes it after
-    success, and keeps and names it after a failure."""
+    """A batch job's new directory in the working directory (which the execution hosts share):
+    its scripts and output files. Once started, it copies the whole lines appended to the files
+    matching ``pattern`` (prefixed already: ``[worker 1] ...``) to stdout; :meth:`close` removes
+    the directory after success, and keeps and names it after a failure."""
 
-    def __init__(self, prefix: str, pattern: str, sink: Optional[IO[str]] = None, directory: Optional[str] = None):
+    def __init__(self, prefix: str, pattern: str):
         super().__init__(daemon=True, name="pskv-spool")
-        self.dir = tempfile.mkdtemp(prefix=prefix, dir=directory or os.getcwd())
+        self.dir = tempfile.mkdtemp(prefix=prefix, dir=os.getcwd())
         self.pattern = pattern
-        self.sink = sink or sys.stdout
-        self._done = threading.Event()
-        self._files: dict[str, tuple[int, LineBuffer]] = {}
+        self.done = threading.Event()
+        self.files: dict[str, tuple[int, LineBuffer]] = {}
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def _copy(self, final: bool) -> None:
-        for path in sorted(glob.glob(self.path(self.pattern))):
-            pos, buffer = self._files.get(path) or (0, LineBuffer())
-            try:
-                with open(path, "rb") as f:
-                    f.seek(pos)
-                    lines = buffer.feed(f.read())
-                    self._files[path] = (f.tell(), buffer)
-            except OSError:
-                continue
-            lines += buffer.end() if final else []
-            self.sink.write("".join(line.decode(errors="replace") for line in lines))
-        self.sink.flush()
+    def copy(self, final: bool) -> None:
+        for path in sorted(glob.glob(self.path(self.pattern))):  # asked every time: files appear late
+            pos, buffer = self.files.get(path) or (0, LineBuffer())
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(pos)
+                lines = buffer.feed(f.read()) + (buffer.end() if final else [])
+                self.files[path] = (f.tell(), buffer)
+                sys.stdout.write("".join(line.decode(errors="replace") for line in lines))
+        sys.stdout.flush()
 
     def run(self) -> None:
-        while not self._done.wait(0.2):
-            self._copy(final=False)
-        self._copy(final=True)
+        while not self.done.wait(0.2):
+            self.copy(final=False)
+        self.copy(final=True)
 
     def close(self, status: Optional[int], what: str) -> None:
         """Stop following (the last lines are copied first); remove the directory if ``status`` is 0."""
         if self.is_alive():
-            self._done.set()
+            self.done.set()
             self.join(timeout=10)
         if status == 0:
             shutil.rmtree(self.dir, ignore_errors=True)

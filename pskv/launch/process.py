@@ -1,10 +1,6 @@
-"""A job's processes on this machine: start them, stream their output, wait, stop them.
-
-Every launcher ends up running local processes (the roles themselves, or ``ssh``/``srun``/
-``mpirun`` clients standing for them). :class:`ProcessContext` starts each in its own process
-group, prefixes every line it prints with its name (``[worker 0] ...``), and when one fails stops
-all the others: SIGTERM to each group, SIGKILL after a grace period. It never touches a process
-it did not start.
+"""The job's processes on this machine: the roles themselves, or the ``ssh``/``srun``/``mpirun``
+clients standing for them. :class:`ProcessContext` starts each in a process group of its own,
+streams its output line by line (``[worker 0] ...``), and when one fails stops all the others.
 """
 
 from __future__ import annotations
@@ -20,45 +16,20 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Optional, Protocol
+from typing import IO, Literal, Optional, Protocol
 
+from .guard import exit_status, terminate
 from .lines import pump
 
-
-@dataclass
-class Proc:
-    """One started process."""
-
-    name: str  # "scheduler", "server 1", "worker 0", "mpirun"
-    popen: subprocess.Popen[bytes]
-    readers: list[threading.Thread] = field(default_factory=list)
-    tail: list[str] = field(default_factory=list)  # last lines it printed, for error reports
-    peak_rss_mb: float = 0.0  # the largest resident size seen (Linux: VmHWM), sampled while it runs
-    failures: list[str] = field(default_factory=list)  # "pskv guard: ... failed: ..." lines it relayed
-
-    def sample(self) -> None:
-        """Update :attr:`peak_rss_mb` from ``/proc`` (no-op elsewhere or once it has exited)."""
-        try:
-            with open(f"/proc/{self.popen.pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmHWM:"):
-                        self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024)
-                        return
-        except (OSError, ValueError):
-            pass
-
-    @property
-    def returncode(self) -> Optional[int]:
-        return self.popen.poll()
-
-
-#: what pskv.launch.guard writes when its command fails ("pskv guard: worker 1 failed: ..."); a
-#: launcher whose one client process stands for many (mpirun, srun) quotes the first such line
+Show = Literal["prefix", "raw", "tail"]
+Stdin = Literal["devnull", "pipe"]
+#: what a guard writes when its command fails ("pskv guard: worker 1 failed: ..."); a launcher whose
+#: one client stands for many processes (mpirun, srun) quotes it and takes its status
 GUARD_FAILURE = ("pskv guard: ", " failed: ")
 
 
 class Watched(Protocol):
-    """What :meth:`ProcessContext.wait` needs of a process: a name, its status, its last lines."""
+    """What :meth:`ProcessContext.wait` needs of a process, here or elsewhere (a Grid Engine task)."""
 
     @property
     def name(self) -> str: ...
@@ -70,13 +41,30 @@ class Watched(Protocol):
     def returncode(self) -> Optional[int]: ...
 
 
-def exit_status(code: int) -> int:
-    """A shell-style status: 128 + signal for a process killed by a signal."""
-    return 128 - code if code < 0 else code
+@dataclass
+class Proc:
+    """A process started here."""
+
+    name: str  # "scheduler", "worker 0", "mpirun", ...
+    popen: subprocess.Popen[bytes]
+    readers: list[threading.Thread] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)  # its last lines, for the failure report
+    failure: str = ""  # the first guard failure line among them
+    peak_rss_mb: float = 0.0  # the largest resident size seen (Linux VmHWM), sampled while it runs
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.popen.poll()
+
+    def sample(self) -> None:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{self.popen.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024)
 
 
-def guard_status(line: str) -> int:
-    """The exit status a guard's failure line reports (1 if it says none)."""
+def failure_status(line: str) -> int:
+    """The exit status that a guard's failure line reports (1 if none)."""
     found = re.findall(r"(exited with status|was killed by signal) (\d+)", line)
     if not found:
         return 1
@@ -85,27 +73,23 @@ def guard_status(line: str) -> int:
 
 
 def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with status {code}"
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
 
 
 class ProcessContext:
-    """Start, watch and stop a job's processes. Not thread-safe; one launcher drives it."""
+    """Start, watch and stop a job's processes; one launcher thread drives it."""
 
     TAIL = 20
 
-    def __init__(self, grace: float = 5.0, stdout: Optional[IO[str]] = None, stderr: Optional[IO[str]] = None):
+    def __init__(self, grace: float = 5.0):
         self.grace = grace
         self.procs: list[Proc] = []
-        #: called (once) when the job is stopped, before any signal: cancel cluster jobs here
-        self.on_stop: list[Callable[[], None]] = []
-        self._stopped_remote = False
-        self._out = stdout or sys.stdout
-        self._err = stderr or sys.stderr
+        self.on_stop: Optional[Callable[[], None]] = None  # run once when the job stops early: cancel cluster jobs
         self._lock = threading.Lock()
 
     def start(
@@ -114,106 +98,76 @@ class ProcessContext:
         argv: Sequence[str],
         env: Mapping[str, str],
         pass_fds: Sequence[int] = (),
-        show: str = "prefix",
-        stdin: str = "devnull",
+        show: Show = "prefix",
+        stdin: Stdin = "devnull",
     ) -> Proc:
-        """Start ``argv`` in a new process group with ``env``.
+        """Start ``argv`` with ``env`` in a new process group.
 
-        ``show``: ``"prefix"`` streams its output with ``[name] `` before every line, ``"raw"``
-        streams it as it is, ``"tail"`` keeps only the last lines for the failure report.
-        ``stdin``: ``"devnull"``, or ``"pipe"``: a pipe that is never written and is closed
-        when the job stops (an ``ssh`` client passes that EOF on to the remote
-        ``pskv.launch.guard --watch-stdin``, which then stops its command), or when this
-        process dies.
+        ``show``: ``"prefix"`` streams its output as ``[name] ...`` lines, ``"raw"`` as it is,
+        ``"tail"`` only keeps the last lines for a failure report. ``stdin="pipe"``: a pipe that is
+        never written and closes when the job stops or this process dies (an ssh client passes
+        that EOF on to the remote guard).
         """
-        if show not in ("prefix", "raw", "tail"):
-            raise ValueError(f"show must be prefix, raw or tail, got {show!r}")
-        if stdin not in ("devnull", "pipe"):
-            raise ValueError(f"stdin must be devnull or pipe, got {stdin!r}")
         popen = subprocess.Popen(
-            list(argv),
-            env=dict(env),
-            stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            pass_fds=tuple(pass_fds),
-        )
+            list(argv), env=dict(env), stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
+        )  # fmt: skip
         proc = Proc(name, popen)
-        assert popen.stdout is not None and popen.stderr is not None
-        for pipe, sink in ((popen.stdout, self._out), (popen.stderr, self._err)):
+        for pipe, sink in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
             emit = functools.partial(self._emit, proc, sink, show)
-            t = threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}")
-            t.start()
-            proc.readers.append(t)
+            proc.readers.append(threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}"))
+            proc.readers[-1].start()
         self.procs.append(proc)
         return proc
 
-    def _emit(self, proc: Proc, sink: IO[str], show: str, raw: list[bytes]) -> None:
-        """One batch of whole lines of ``proc``: remembered for the failure report, and written to
-        ``sink`` (prefixed ``[name] `` for ``show="prefix"``) unless only the tail is kept."""
+    def _emit(self, proc: Proc, sink: IO[str], show: Show, raw: list[bytes]) -> None:
         lines = [line.decode(errors="replace") for line in raw]
-        for line in lines:
-            if all(part in line for part in GUARD_FAILURE) and len(proc.failures) < 10:
-                proc.failures.append(line.strip())
-        proc.tail += [stripped for stripped in (line.rstrip("\r\n") for line in lines) if stripped.strip()]
-        del proc.tail[: -self.TAIL]
-        if show == "tail":
-            return
-        tag = f"[{proc.name}] " if show == "prefix" else ""
-        with self._lock, contextlib.suppress(OSError, ValueError):
-            sink.write("".join(tag + line for line in lines))
-            sink.flush()
-
-    # -- waiting and stopping -------------------------------------------------------------------
-
-    def _watched(self, main: Sequence[Watched], helpers: Sequence[Watched]) -> list[Watched]:
-        extra = [p for p in (*main, *helpers) if not isinstance(p, Proc)]
-        return [*self.procs, *extra]
+        with self._lock:
+            if not proc.failure:
+                proc.failure = next((line.strip() for line in lines if all(part in line for part in GUARD_FAILURE)), "")
+            proc.tail = [*proc.tail, *(line.rstrip("\r\n") for line in lines if line.strip())][-self.TAIL :]
+            if show != "tail":
+                tag = f"[{proc.name}] " if show == "prefix" else ""
+                with contextlib.suppress(OSError, ValueError):
+                    sink.write("".join(tag + line for line in lines))
+                    sink.flush()
 
     def wait(
-        self,
-        main: Sequence[Watched],
-        helpers: Sequence[Watched],
-        finish_timeout: float = 60.0,
-        timeout: Optional[float] = None,
+        self, main: Sequence[Watched], helpers: Sequence[Watched], finish_timeout: float = 60.0, timeout: Optional[float] = None
     ) -> int:
         """Wait for the job; the launcher's exit status.
 
         The job succeeds when every ``main`` process (the workers) exits 0 and every helper
-        (scheduler, servers) then exits by itself within ``finish_timeout``. The first process
-        to fail stops all others and its status is returned. ``main`` and ``helpers`` may also
-        hold :class:`Watched` stand-ins for processes that run elsewhere (a Grid Engine task).
+        (scheduler, servers) then exits by itself within ``finish_timeout``. The first process to
+        fail stops all others, and its status is returned; ``timeout`` stops the job with 124.
         """
+        watched = [*self.procs, *(p for p in (*main, *helpers) if not isinstance(p, Proc))]
         started = time.monotonic()
         finished_at: Optional[float] = None
         next_sample = 0.0
         while True:
             if time.monotonic() >= next_sample:
-                for p in self.procs:
-                    p.sample()
+                for proc in self.procs:
+                    proc.sample()
                 next_sample = time.monotonic() + 0.25
-            failed = next((p for p in self._watched(main, helpers) if p.returncode not in (None, 0)), None)
-            if failed is not None:
+            failed = next((p for p in watched if p.returncode not in (None, 0)), None)
+            if failed is not None and failed.returncode is not None:
                 code = failed.returncode
-                assert code is not None
                 self.stop_all()
-                first = list(getattr(failed, "failures", []))
-                cause = f" ({first[0]})" if first else ""
+                first = getattr(failed, "failure", "")
+                cause = f" ({first})" if first else ""
                 self.report(f"{failed.name} {describe_exit(code)}{cause}; stopped the other processes of the job", failed)
-                return guard_status(first[0]) if first else exit_status(code)
+                return failure_status(first) if first else exit_status(code)
             if finished_at is None and all(p.returncode == 0 for p in main):
                 finished_at = time.monotonic()
-            if finished_at is not None:
-                alive = [p for p in helpers if p.returncode is None]
-                if not alive:
-                    self._drain()
-                    return 0
-                if time.monotonic() - finished_at > finish_timeout:
-                    self.stop_all()
-                    names = ", ".join(p.name for p in alive)
-                    self.report(f"the workers finished but {names} did not exit within {finish_timeout:g} s; stopped them")
-                    return 1
+            alive = [p.name for p in helpers if p.returncode is None]
+            if finished_at is not None and not alive:
+                self._drain()
+                return 0
+            if finished_at is not None and time.monotonic() - finished_at > finish_timeout:
+                self.stop_all()
+                self.report(f"the workers finished but {', '.join(alive)} did not exit within {finish_timeout:g} s; stopped them")
+                return 1
             if timeout is not None and time.monotonic() - started > timeout:
                 self.stop_all()
                 self.report(f"the job ran past its time limit of {timeout:g} s; stopped it")
@@ -221,56 +175,40 @@ class ProcessContext:
             time.sleep(0.05)
 
     def stop_all(self) -> None:
-        """Stop every process still running: SIGTERM to its group (or, for one started with
-        ``stdin="pipe"``, EOF on that pipe), SIGKILL after ``grace`` seconds. The
-        :attr:`on_stop` callbacks run first."""
-        if not self._stopped_remote:
-            self._stopped_remote = True
-            for callback in self.on_stop:
-                try:
-                    callback()
-                except Exception as exc:  # stopping the rest matters more
-                    self.report(f"while stopping: {exc}")
-        running = [p for p in self.procs if p.returncode is None]
-        for p in running:
-            if p.popen.stdin is not None:
-                with contextlib.suppress(OSError):
-                    p.popen.stdin.close()
-            else:
-                self._signal(p, signal.SIGTERM)
-        deadline = time.monotonic() + self.grace
-        while time.monotonic() < deadline and any(p.returncode is None for p in running):
-            time.sleep(0.05)
-        for p in running:
-            if p.returncode is None:
-                self._signal(p, signal.SIGKILL)
-        for p in running:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(timeout=5)
+        """Stop every process still running: EOF on its stdin pipe if it has one, else SIGTERM to
+        its group; SIGKILL after ``grace`` seconds. :attr:`on_stop` runs first, once."""
+        on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            try:
+                on_stop()
+            except Exception as exc:  # stopping the rest matters more
+                self.report(f"while stopping: {exc}")
+        running = [p.popen for p in self.procs if p.returncode is None]
+        terminate(running, self._end, functools.partial(self._signal, sig=signal.SIGKILL), self.grace)
         self._drain()
 
     @staticmethod
-    def _signal(p: Proc, sig: int) -> None:
-        try:
-            os.killpg(p.popen.pid, sig)  # the group we created with start_new_session
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            p.popen.send_signal(sig)
+    def _signal(popen: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(popen.pid, sig)  # the group that start_new_session made
+
+    def _end(self, popen: subprocess.Popen[bytes]) -> None:
+        if popen.stdin is not None:
+            popen.stdin.close()
+        else:
+            self._signal(popen)
 
     def _drain(self) -> None:
         for p in self.procs:
-            if p.popen.stdin is not None and p.returncode is not None:
-                with contextlib.suppress(OSError):
-                    p.popen.stdin.close()
+            if p.popen.stdin is not None:
+                p.popen.stdin.close()
             for t in p.readers:
                 t.join(timeout=2.0)
 
     def report(self, text: str, failed: Optional[Watched] = None) -> None:
         with self._lock:
-            self._err.write(f"pskv launch: {text}\n")
+            sys.stderr.write(f"pskv launch: {text}\n")
             if failed is not None and failed.tail:
-                self._err.write(f"pskv launch: last lines of {failed.name}:\n")
-                for line in failed.tail[-10:]:
-                    self._err.write(f"    {line}\n")
-            self._err.flush()
+                sys.stderr.write(f"pskv launch: last lines of {failed.name}:\n")
+                sys.stderr.write("".join(f"    {line}\n" for line in failed.tail[-10:]))
+            sys.stderr.flush()

@@ -1,13 +1,6 @@
-"""The job: what ``pskv launch`` was asked to run (:class:`JobSpec`), and the environment of each
-of its processes (:meth:`JobSpec.process_env`, the one builder of that environment).
-
-The contract is SPEC.md section 8: every process gets ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``,
-``DMLC_PS_ROOT_PORT``, ``DMLC_NUM_WORKER``, ``DMLC_NUM_SERVER``, and servers and workers a stable
-``DMLC_SERVER_ID`` / ``DMLC_WORKER_ID``; workers also get the variables ``torchrun`` sets. A
-process on another host gets exactly the variables built here (never the launcher's whole
-environment, which belongs to this machine): those, ``PYTHONUNBUFFERED=1``, the launcher's
-``PSKV_*`` settings and ``DMLC_INTERFACE``, then ``--env`` for every process and
-``--env-server`` / ``--env-worker`` for one role.
+"""The job: what ``pskv launch`` was asked to run (:class:`JobSpec`), and the environment of each of
+its processes (:meth:`JobSpec.process_env`, the one builder of the contract of SPEC.md section 8;
+docs/launchers/README.md lists it).
 """
 
 from __future__ import annotations
@@ -77,13 +70,17 @@ class JobSpec:
         return self.num_servers if role == "server" else self.num_workers
 
     def argv(self, role: str) -> list[str]:
-        """What a server (``pskv serve``) or a worker (the command) runs on a cluster's host.
-        A single string with spaces runs through ``/bin/sh -c``, as MXNet's launcher did."""
+        """What a server (``pskv serve``) or a worker (the command) runs on a cluster's host; a
+        single string with spaces runs through ``/bin/sh -c``, as MXNet's launcher did."""
         if role == "server":
             return [self.python, "-m", "pskv", "serve"]
         if len(self.command) == 1 and " " in self.command[0]:
             return ["/bin/sh", "-c", self.command[0]]
         return list(self.command)
+
+    def guarded(self, role: str, *options: str) -> list[str]:
+        """``python3 -m pskv.launch.guard OPTIONS -- ...``: :meth:`argv` under the guard."""
+        return [self.python, "-m", "pskv.launch.guard", *options, "--", *self.argv(role)]
 
     def process_env(
         self,
@@ -94,24 +91,20 @@ class JobSpec:
         *,
         base: Optional[Mapping[str, str]] = None,
         torch: Optional[Mapping[str, str]] = None,
-        workers_here: int = 0,
     ) -> dict[str, str]:
         """The environment of one process of ``role`` (``"scheduler"``, ``"server"``, ``"worker"``).
 
-        ``base`` is what it starts from: this machine's environment for a process that runs
-        here; by default only the forwarded ``PSKV_*`` / ``DMLC_INTERFACE`` (a remote process).
-        ``rank`` sets the id, where the launcher knows it (else a guard sets it from the cluster's
-        rank variable); ``port`` None leaves ``DMLC_PS_ROOT_PORT`` out (no scheduler, ``-s 0``).
-        Workers also get ``torch`` (``LOCAL_RANK``, ``MASTER_ADDR``, ... where known) and, with
-        ``workers_here`` workers sharing this machine, ``OMP_NUM_THREADS`` = cores / that,
-        unless set. ``--env-ROLE`` comes last, so it wins. ::
+        It starts from ``base`` (this machine's environment, for a process started here), by
+        default from the launcher's forwarded ``PSKV_*`` and ``DMLC_INTERFACE`` only. ``rank``
+        sets the id where the launcher knows it; ``port`` None (no scheduler) leaves
+        ``DMLC_PS_ROOT_PORT`` out. Workers also get ``torch`` (``LOCAL_RANK``, ``MASTER_ADDR``,
+        ...). ``--env-ROLE`` comes last, so it wins. ::
 
             env = spec.process_env("worker", "10.0.0.5", 9000, rank=2)  # DMLC_WORKER_ID=2, RANK=2, ...
-            env = spec.process_env("server", address, port, base=os.environ)  # a server started here
         """
-        env = forwarded_env(self.environ) if base is None else dict(base)
-        env.update(self.env)
-        env.update(DMLC_ROLE=role, DMLC_PS_ROOT_URI=root_uri, PYTHONUNBUFFERED="1")
+        if base is None:
+            base = {k: v for k, v in self.environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}
+        env = {**base, **self.env, "DMLC_ROLE": role, "DMLC_PS_ROOT_URI": root_uri, "PYTHONUNBUFFERED": "1"}
         env.update(DMLC_NUM_WORKER=str(self.num_workers), DMLC_NUM_SERVER=str(self.num_servers))
         if port is not None:
             env["DMLC_PS_ROOT_PORT"] = str(port)
@@ -121,22 +114,15 @@ class JobSpec:
             if rank is not None:
                 env.update(RANK=str(rank), WORLD_SIZE=str(self.num_workers))
             env.update(torch or {})
-            if workers_here:
-                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers_here)))
         env.update(self.role_env.get(role, {}))
         return env
 
 
-def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's own variables that every process of the job gets: ``PSKV_*`` settings
-    and ``DMLC_INTERFACE`` (an interface name is usually the same on every host)."""
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for ``MASTER_PORT`` only; pskv's own ports never guess)."""
+def free_port() -> int:
+    """A port of 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` only; pskv's own
+    ports are never guessed)."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
 

@@ -1,17 +1,15 @@
 """``pskv launch --launcher ssh``: servers and workers on the hosts of a hostfile, over OpenSSH.
 
-Before anything starts, every host must answer ``ssh HOST true``, ``--sync-dst-dir DIR`` copies
-the working directory there (``rsync -a --mkpath -e SSH ./ HOST:DIR/``, once per machine as
-``ssh -G`` resolves the names), and ``--python`` must import pskv there. The scheduler runs
-here (:func:`~pskv.launch.hosts.scheduler_address`); servers and workers are placed round robin
-over the hosts (:func:`~pskv.launch.hosts.place`), each one ssh client here running::
+First every host must answer ``ssh HOST true``; ``--sync-dst-dir DIR`` copies the working
+directory there (``rsync -a --mkpath -e SSH ./ HOST:DIR/``, once per machine as ``ssh -G``
+resolves the names); ``--python`` must import pskv there. The scheduler runs here; each server
+and worker, placed round robin over the hosts, is one ssh client here::
 
-    ssh -o BatchMode=yes -o ConnectTimeout=10 -T HOST 'cd DIR && exec env DMLC_ROLE=worker ... \
+    ssh -o BatchMode=yes -o ConnectTimeout=10 -T HOST 'cd DIR && exec env DMLC_ROLE=worker ... \\
         python3 -m pskv.launch.guard --watch-stdin --workers-here N --grace 3 -- COMMAND'
 
-whose output comes back prefixed ``[worker 2@HOST] ``. Its stdin is a pipe the launcher never
-writes: when the job stops or the launcher dies, the pipe closes and the remote guard stops its
-command, so nothing is left running on any host.
+with its output prefixed ``[worker 2@HOST] ``, and a pipe for stdin that the launcher never
+writes: when the job stops or the launcher dies, the remote guard sees EOF and stops COMMAND.
 """
 
 from __future__ import annotations
@@ -25,24 +23,22 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, Optional
 
 from ..errors import LaunchError
-from .guard import guard_argv
 from .hosts import Host, place, scheduler_address
-from .job import Backend, Planned, last_lines
+from .job import Backend, Planned, run_quiet
 from .spec import JobSpec, free_port, shell_command
 
-#: options added to every ssh command: never prompt, give up on a dead host quickly, no tty
+#: added to every ssh command: never prompt, give up on a dead host quickly, no tty
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-T")
 #: seconds a remote guard waits between SIGTERM and SIGKILL (less than the launcher's grace)
-REMOTE_GRACE = 3.0
-#: ssh clients started to one host at a time, and the pause between such waves: sshd drops
+REMOTE_GRACE = "3"
+#: clients started to one machine at a time, and the pause between such waves: sshd drops
 #: connections beyond MaxStartups (default 10) that are still authenticating
 STARTUP_WAVE = 8
 STARTUP_PAUSE = 0.5
 
 
 class Destination(NamedTuple):
-    """Where a host name leads, as ``ssh -G`` resolves it: equal destinations are one machine
-    and account (synced once, sharing cores)."""
+    """Where a host name leads, as ``ssh -G`` resolves it: equal ones are one machine and account."""
 
     hostname: str
     port: str
@@ -57,17 +53,17 @@ def ssh_argv(spec: JobSpec, host: Host, *remote: str) -> list[str]:
 
 
 def destinations(spec: JobSpec, hosts: Sequence[Host]) -> dict[Host, Destination]:
-    """What each host name resolves to in the ssh configuration (``ssh -G``, nothing sent)."""
+    """What each host name resolves to in the ssh configuration (``ssh -G``: nothing is sent)."""
     out: dict[Host, Destination] = {}
     for h in hosts:
         fields: dict[str, str] = {}
         try:
-            res = subprocess.run([*ssh_argv(spec, h), "-G", h.name], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+            res = run_quiet([*ssh_argv(spec, h), "-G", h.name], timeout=30)
             for line in res.stdout.splitlines() if res.returncode == 0 else []:
                 key, _, value = line.partition(" ")
                 fields.setdefault(key.lower(), value.strip())
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+        except LaunchError:
+            pass  # no ssh here: the names are taken as they are
         user, _, name = h.name.rpartition("@")
         proxy = fields.get("proxyjump", "") + fields.get("proxycommand", "")
         out[h] = Destination(fields.get("hostname", name), fields.get("port", str(h.port or 22)), fields.get("user", user), proxy)
@@ -92,7 +88,8 @@ def on_each(hosts: Sequence[Host], argv: Callable[[Host], list[str]], failure: s
         try:
             out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
             if p.returncode != 0:
-                failed[h] = last_lines(f"{err}\n{out}") or f"exit status {p.returncode}"
+                lines = [line for line in f"{err}\n{out}".splitlines() if line.strip()]
+                failed[h] = " | ".join(lines[-5:]) or f"exit status {p.returncode}"
         except subprocess.TimeoutExpired:
             p.kill()
             p.communicate()
@@ -158,7 +155,7 @@ class Ssh(Backend):
             local_rank.append(per_dest.get(self.dests[h], 0))
             per_dest[self.dests[h]] = local_rank[-1] + 1
         master = {"MASTER_ADDR": self.dests[workers[0]].hostname, "MASTER_PORT": str(free_port())}
-        started: dict[Destination, int] = {}
+        started: dict[Destination, int] = {}  # clients started to each machine so far
         out = []
         for role, hosts in (("server", place(spec.num_servers, spec.hosts)), ("worker", workers)):
             for rank, h in enumerate(hosts):
@@ -166,14 +163,13 @@ class Ssh(Backend):
                 n = per_dest[dest] if role == "worker" else 0  # workers on this machine
                 torch = {"LOCAL_RANK": str(local_rank[rank]), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
                 env = spec.process_env(role, self.address, port, rank, torch=torch)
-                guard = guard_argv(spec.python, watch_stdin=True, workers_here=n, grace=REMOTE_GRACE)
-                remote = shell_command([*guard, "--", *spec.argv(role)], env, self.cwd)
-                wave = started.get(dest, 0)  # clients started to this machine so far
+                guard = spec.guarded(role, "--watch-stdin", "--workers-here", str(n), "--grace", REMOTE_GRACE)
+                wave = started.get(dest, 0)
                 started[dest] = wave + 1
                 delay = STARTUP_PAUSE if wave and wave % STARTUP_WAVE == 0 else 0.0
+                remote = shell_command(guard, env, self.cwd)
                 out.append(Planned(f"{role} {rank}@{h}", ssh_argv(spec, h, remote), main=role == "worker", stdin="pipe", delay=delay))
         return out
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Ssh(spec)
+backend = Ssh

@@ -3,7 +3,6 @@ job runner that drives it (run_job with a fake backend)."""
 
 from __future__ import annotations
 
-import io
 import sys
 from typing import Optional
 
@@ -27,27 +26,27 @@ sys.stdout.write("no newline at the end")
 """
 
 
-def test_lines_never_mix_and_are_prefixed() -> None:
-    out, err = io.StringIO(), io.StringIO()
-    ctx = ProcessContext(stdout=out, stderr=err)
+def test_lines_never_mix_and_are_prefixed(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = ProcessContext()
     procs = [ctx.start(f"worker {i}", [sys.executable, "-u", "-c", WRITER], {}) for i in range(3)]
     assert ctx.wait(procs, []) == 0
-    lines = out.getvalue().splitlines()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     for i in range(3):
         mine = [line for line in lines if line.startswith(f"[worker {i}] ")]
         assert [m for m in mine if "part" in m] == [f"[worker {i}] part-a part-b {n}" for n in range(5)]
         assert f"[worker {i}] no newline at the end" in mine
-    assert all(line.startswith("[worker ") for line in out.getvalue().replace("\r", "\n").splitlines())
+    assert all(line.startswith("[worker ") for line in out.replace("\r", "\n").splitlines())
 
 
-def test_first_failure_stops_the_others_and_is_reported() -> None:
-    out, err = io.StringIO(), io.StringIO()
-    ctx = ProcessContext(stdout=out, stderr=err, grace=1.0)
+def test_first_failure_stops_the_others_and_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = ProcessContext(grace=1.0)
     sleeper = ctx.start("worker 0", [sys.executable, "-c", "import time; time.sleep(60)"], {})
     failer = ctx.start("worker 1", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
     assert ctx.wait([sleeper, failer], []) == 7
     assert sleeper.returncode is not None
-    assert "worker 1 exited with status 7" in err.getvalue() and "    bye" in err.getvalue()
+    err = capsys.readouterr().err
+    assert "worker 1 exited with status 7" in err and "    bye" in err
 
 
 # --------------------------------------------------------------------------------------------
