@@ -89,9 +89,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``pskv launch`` with parsed ``args``; the exit status. Blocks until the job ends."""
     import importlib
 
-    from .hosts import read_hostfile
     from .job import run_job
-    from .spec import DEFAULT_PORT, JobSpec
+    from .spec import DEFAULT_PORT, JobSpec, read_hostfile
 
     for dest, (flags, users) in _USED_BY.items():
         if getattr(args, dest, None) not in (None, False, "") and args.launcher not in users:

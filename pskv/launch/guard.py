@@ -1,15 +1,12 @@
-"""The wrapper of every server and worker that a cluster launcher starts (and of the scheduler
-that ``pskv launch`` runs here)::
+"""The wrapper of every server and worker that a cluster launcher starts, and of the scheduler
+that ``pskv launch`` runs here (docs/launchers/README.md, "pskv.launch.guard")::
 
     python -m pskv.launch.guard [--rank-from VAR[,VAR...]] [--rank-offset K] [--prefix TEMPLATE]
                                 [--watch-stdin] [--workers-here N] [--status-dir DIR]
                                 [--grace SECONDS] -- COMMAND [ARG...]
 
-It sets the rank from the cluster's variable, runs COMMAND so that it can be stopped as a whole
-(SIGTERM to its process group, SIGKILL to its session after ``--grace``) when the guard gets a
-signal or, with ``--watch-stdin``, EOF on stdin, and exits with COMMAND's status.
-docs/launchers/README.md ("pskv.launch.guard") says how and why. Standard library only, so it
-starts in a few tens of milliseconds.
+Standard library only, so it starts in a few tens of milliseconds; the launcher shares its
+process plumbing (the line pump, :func:`terminate`, :func:`exit_status`).
 """
 
 from __future__ import annotations
@@ -27,11 +24,37 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
-from typing import Optional
-
-from .lines import pump
+from typing import IO, Optional
 
 ID_VARS = {"server": "DMLC_SERVER_ID", "worker": "DMLC_WORKER_ID"}
+
+
+class LineBuffer:
+    """Bytes in, whole lines out, so that lines of different processes never mix. A line ends with
+    ``\\n``, ``\\r\\n`` or ``\\r`` (progress bars) and keeps its ending; a partial line waits."""
+
+    def __init__(self) -> None:
+        self.rest = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        lines = (self.rest + chunk).splitlines(keepends=True)
+        self.rest = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+        return lines
+
+    def end(self) -> list[bytes]:
+        """The partial line left at the end of the stream, with ``\\n`` added (or none)."""
+        rest, self.rest = self.rest, b""
+        return [rest + b"\n"] if rest else []
+
+
+def pump(pipe: IO[bytes], emit: Callable[[list[bytes]], None]) -> None:
+    """Hand each batch of whole lines read from ``pipe`` to ``emit`` until EOF, then close it.
+    Blocks: run one thread per pipe."""
+    buffer = LineBuffer()
+    with pipe:
+        for chunk in iter(functools.partial(os.read, pipe.fileno(), 65536), b""):
+            emit(buffer.feed(chunk))
+        emit(buffer.end())
 
 
 class GuardError(Exception):
@@ -207,7 +230,7 @@ class Guard:
         return status
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m pskv.launch.guard",
         description="Run one server or worker of a pskv job: rank from the cluster's variables, "
@@ -221,16 +244,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--status-dir", metavar="DIR", help="write ROLE.RANK.status with the exit status there")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="SIGKILL this long after SIGTERM (default 5)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command (after --)")
-    args = p.parse_args(list(argv))
-    if args.command and args.command[0] == "--":
-        args.command = args.command[1:]
-    if not args.command:
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
         p.error("no command to run (python -m pskv.launch.guard [options] -- COMMAND ...)")
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
     role = os.environ.get("DMLC_ROLE", "process")
     try:
         names = [n.strip() for n in args.rank_from.split(",") if n.strip()]
@@ -241,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank = env.get(ID_VARS[role], "?") if role in ID_VARS else "?"
     name = f"{role} {rank}" if role in ID_VARS else role
     prefix = "[" + args.prefix.format(role=role, rank=rank, host=socket.gethostname()) + "] " if args.prefix else ""
-    status = Guard(args.command, env, name, prefix, args.grace).run(args.watch_stdin)
+    status = Guard(command, env, name, prefix, args.grace).run(args.watch_stdin)
     if args.status_dir:
         with contextlib.suppress(OSError), open(os.path.join(args.status_dir, f"{role}.{rank}.status"), "w") as f:
             f.write(f"{status}\n")

@@ -17,8 +17,7 @@ import shlex
 from typing import Any, Optional
 
 from ..errors import LaunchError
-from .job import Backend, require_tool, run_quiet, submitted
-from .process import ProcessContext, Watched
+from .job import Backend, ProcessContext, Watched, require_tool, run_quiet, submitted
 from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"

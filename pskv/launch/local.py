@@ -13,8 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
-from .job import Backend, Planned, run_job
-from .process import ProcessContext, Show, Watched
+from .job import Backend, Planned, ProcessContext, Show, Watched, run_job
 from .spec import ROLES, SERVE, JobSpec, free_port
 
 

@@ -22,9 +22,8 @@ import tempfile
 from typing import Optional
 
 from ..errors import LaunchError
-from .hosts import place, scheduler_address
 from .job import Backend, Planned, require_tool, run_quiet
-from .spec import JobSpec
+from .spec import JobSpec, place, scheduler_address
 
 RANK_VARS = "OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK"
 

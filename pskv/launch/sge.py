@@ -23,10 +23,8 @@ import time
 from typing import Optional
 
 from ..errors import LaunchError
-from .hosts import scheduler_address
-from .job import Backend, Spool, require_tool, run_quiet
-from .process import ProcessContext, Watched
-from .spec import JobSpec, export_lines
+from .job import Backend, ProcessContext, Spool, Watched, require_tool, run_quiet
+from .spec import JobSpec, export_lines, scheduler_address
 
 #: how long the scheduler here waits for queued tasks to register, unless PSKV_START_TIMEOUT says
 QUEUE_START_TIMEOUT = "3600"
@@ -104,7 +102,7 @@ class Sge(Backend):
     def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
         spec = self.spec
         for role, qsub in self.submissions(port).items():
-            res = run_quiet(qsub, timeout=120, env=spec.environ)
+            res = run_quiet(qsub, timeout=120)
             job = res.stdout.strip().split(".")[0]
             if res.returncode != 0 or not job.isdigit():
                 raise LaunchError(f"qsub of the {role}s failed: {(res.stderr + res.stdout).strip()}")
@@ -117,7 +115,7 @@ class Sge(Backend):
 
     def listed(self) -> Optional[dict[str, str]]:
         """Job id -> the states of its tasks, as ``qstat`` lists them (None if it failed)."""
-        res = run_quiet([shutil.which("qstat") or "qstat"], timeout=60, env=self.spec.environ)
+        res = run_quiet([shutil.which("qstat") or "qstat"], timeout=60)
         states: dict[str, str] = {}
         for fields in (line.split() for line in res.stdout.splitlines()[2:]):
             if len(fields) >= 5:
@@ -152,7 +150,7 @@ class Sge(Backend):
         ids = list(self.ids.values())
         if not ids:
             return
-        run_quiet([shutil.which("qdel") or "qdel", *ids], timeout=60, env=self.spec.environ)
+        run_quiet([shutil.which("qdel") or "qdel", *ids], timeout=60)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until the execution hosts have stopped the tasks
             listed = self.listed()

@@ -23,10 +23,8 @@ from collections.abc import Mapping
 from typing import Optional
 
 from ..errors import LaunchError
-from .hosts import scheduler_address
-from .job import Backend, Planned, Spool, require_tool, run_quiet
-from .process import ProcessContext, Watched
-from .spec import JobSpec
+from .job import Backend, Planned, ProcessContext, Spool, Watched, require_tool, run_quiet
+from .spec import JobSpec, scheduler_address
 
 
 def allocation_nodes(environ: Mapping[str, str]) -> list[str]:
@@ -117,7 +115,7 @@ class Sbatch(Backend):
     def cancel(self, ctx: ProcessContext) -> None:
         scancel = shutil.which("scancel")
         if scancel is not None:
-            run_quiet([scancel, self.job_id or f"--name={self.spec.name}"], timeout=60, env=self.spec.environ)
+            run_quiet([scancel, self.job_id or f"--name={self.spec.name}"], timeout=60)
             ctx.report(f"cancelled Slurm job {self.job_id or self.spec.name}")
 
     def close(self, status: Optional[int]) -> None:

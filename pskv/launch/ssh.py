@@ -17,15 +17,13 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
-import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional
 
 from ..errors import LaunchError
-from .hosts import Host, place, scheduler_address
 from .job import Backend, Planned, run_quiet
-from .spec import JobSpec, free_port, shell_command
+from .spec import Host, JobSpec, free_port, place, scheduler_address, shell_command
 
 #: added to every ssh command: never prompt, give up on a dead host quickly, no tty
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-T")
@@ -73,30 +71,20 @@ def destinations(spec: JobSpec, hosts: Sequence[Host]) -> dict[Host, Destination
 def on_each(hosts: Sequence[Host], argv: Callable[[Host], list[str]], failure: str, timeout: float) -> None:
     """Run ``argv(host)`` for every host at once; a :class:`LaunchError` names those where it
     fails (``failure``, then the host names), with the last lines each printed."""
-    procs: dict[Host, subprocess.Popen[str]] = {}
-    try:
-        for h in hosts:
-            procs[h] = subprocess.Popen(argv(h), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except OSError as exc:
-        for p in procs.values():
-            p.kill()
-            p.wait()
-        raise LaunchError(f"cannot run {argv(hosts[0])[0]}: {exc.strerror or exc}") from None
-    deadline = time.monotonic() + timeout
-    failed: dict[Host, str] = {}
-    for h, p in procs.items():
+
+    def why(h: Host) -> str:
         try:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if p.returncode != 0:
-                lines = [line for line in f"{err}\n{out}".splitlines() if line.strip()]
-                failed[h] = " | ".join(lines[-5:]) or f"exit status {p.returncode}"
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            failed[h] = f"no answer within {timeout:g} s"
+            res = run_quiet(argv(h), timeout=timeout)
+        except LaunchError as exc:
+            return str(exc)
+        lines = [line for line in f"{res.stderr}\n{res.stdout}".splitlines() if line.strip()]
+        return "" if res.returncode == 0 else " | ".join(lines[-5:]) or f"exit status {res.returncode}"
+
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+        failed = {h: reason for h, reason in zip(hosts, pool.map(why, hosts)) if reason}
     if failed:
         names = ", ".join(map(str, failed))
-        raise LaunchError(f"{failure} {names}; nothing was started\n" + "\n".join(f"  {h}: {why}" for h, why in failed.items()))
+        raise LaunchError(f"{failure} {names}; nothing was started\n" + "\n".join(f"  {h}: {r}" for h, r in failed.items()))
 
 
 def rsync_argv(spec: JobSpec, host: Host, dst: str) -> list[str]:

@@ -16,8 +16,7 @@ import shlex
 import tempfile
 from typing import Any, Optional
 
-from .job import Backend, require_tool, run_quiet, submitted
-from .process import ProcessContext, Watched
+from .job import Backend, ProcessContext, Watched, require_tool, run_quiet, submitted
 from .spec import JobSpec
 
 SCHEDULER_DNS = "scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}"

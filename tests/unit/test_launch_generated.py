@@ -25,11 +25,16 @@ from pskv import cli
 from pskv.errors import LaunchError
 from pskv.launch import parse_env_specs
 from pskv.launch.guard import GuardError, child_env, rank_from
-from pskv.launch.hosts import Host, host_cycle, parse_hostfile, place, scheduler_address
-from pskv.launch.job import Spool
+from pskv.launch.job import ProcessContext, Spool
 from pskv.launch.kubernetes import manifests
-from pskv.launch.process import ProcessContext
-from pskv.launch.spec import JobSpec, shell_command
+from pskv.launch.spec import (
+    Host,
+    JobSpec,
+    parse_hostfile,
+    place,
+    scheduler_address,
+    shell_command,
+)
 from pskv.launch.yarn import SCHEDULER_DNS, yarn_service
 
 PY = sys.executable
@@ -85,7 +90,7 @@ def test_placement_round_robin_with_slots_as_weights() -> None:
     a, b, c = Host("a"), Host("b"), Host("c")
     assert [h.name for h in place(5, [a, b, c])] == ["a", "b", "c", "a", "b"]
     heavy = [Host("a", slots=2), Host("b"), Host("c", slots=3)]
-    assert [h.name for h in host_cycle(heavy)] == ["a", "b", "c", "a", "c", "c"]
+    assert [h.name for h in place(6, heavy)] == ["a", "b", "c", "a", "c", "c"]  # one round: each host once per slot
     assert [h.name for h in place(7, heavy)] == ["a", "b", "c", "a", "c", "c", "a"]
     assert place(0, [a]) == []
     with pytest.raises(LaunchError):
@@ -748,7 +753,7 @@ def test_guard_passes_the_schedulers_port_pipe() -> None:
 
 
 def test_stdin_pipe_is_closed_on_stop_and_on_stop_runs_once(capsys: pytest.CaptureFixture[str]) -> None:
-    ctx = ProcessContext(grace=10)
+    ctx = ProcessContext()
     calls: list[str] = []
     ctx.on_stop = lambda: calls.append("stop")
     reader = ctx.start("worker 0", [PY, "-c", "import sys; sys.stdin.read(); print('eof seen')"], {}, stdin="pipe")
@@ -770,7 +775,7 @@ class _Remote:
 
 
 def test_wait_watches_processes_that_run_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
-    ctx = ProcessContext(grace=2)
+    ctx = ProcessContext()
     sleeper = ctx.start("scheduler", [PY, "-c", "import time; time.sleep(60)"], {})
     assert ctx.wait([_Remote("worker 4", 6)], [sleeper]) == 6
     assert sleeper.returncode is not None

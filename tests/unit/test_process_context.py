@@ -9,8 +9,7 @@ from typing import Optional
 import pytest
 
 from pskv.errors import LaunchError
-from pskv.launch.job import Backend, Planned, run_job
-from pskv.launch.process import ProcessContext, Watched
+from pskv.launch.job import Backend, Planned, ProcessContext, Watched, run_job
 from pskv.launch.spec import JobSpec
 
 WRITER = """
@@ -40,7 +39,7 @@ def test_lines_never_mix_and_are_prefixed(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_first_failure_stops_the_others_and_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
-    ctx = ProcessContext(grace=1.0)
+    ctx = ProcessContext()
     sleeper = ctx.start("worker 0", [sys.executable, "-c", "import time; time.sleep(60)"], {})
     failer = ctx.start("worker 1", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
     assert ctx.wait([sleeper, failer], []) == 7
