@@ -102,12 +102,10 @@ def exit_status(code: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def terminate(
-    popens: Sequence[subprocess.Popen[bytes]],
-    term: Callable[[subprocess.Popen[bytes]], None],
-    kill: Callable[[subprocess.Popen[bytes]], None],
-    grace: float,
-) -> None:
+Stop = Callable[[subprocess.Popen[bytes]], None]
+
+
+def terminate(popens: Sequence[subprocess.Popen[bytes]], term: Stop, kill: Stop, grace: float) -> None:
     """Stop processes: ``term`` each, then ``kill`` those still running after ``grace`` seconds."""
     for p in popens:
         term(p)

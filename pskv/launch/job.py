@@ -105,14 +105,17 @@ class ProcessContext:
 
     def __init__(self) -> None:
         self.procs: list[Proc] = []
+        #: (process, main) in start order; the job is done when every main process (the workers,
+        #: or what stands for them) has exited 0 and the helpers (scheduler, servers) then by themselves
+        self.watched: list[tuple[Watched, bool]] = []
         self.on_stop: Optional[Callable[[], None]] = None  # run once when the job stops early: cancel cluster jobs
         self._lock = threading.Lock()
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
-        show: Show = "prefix", stdin: Stdin = "devnull",
+        show: Show = "prefix", stdin: Stdin = "devnull", main: bool = False,
     ) -> Proc:  # fmt: skip
-        """Start ``argv`` with ``env`` in a new process group.
+        """Start ``argv`` with ``env`` in a new process group, as a main process or a helper.
 
         ``show``: ``"prefix"`` streams its output as ``[name] ...`` lines, ``"raw"`` as it is,
         ``"tail"`` only keeps the last lines for a failure report. ``stdin="pipe"``: a pipe that is
@@ -129,7 +132,12 @@ class ProcessContext:
             proc.readers.append(threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}"))
             proc.readers[-1].start()
         self.procs.append(proc)
+        self.watch(proc, main)
         return proc
+
+    def watch(self, process: Watched, main: bool) -> None:
+        """Wait for ``process`` too: a process started here, or one elsewhere (a Grid Engine task)."""
+        self.watched.append((process, main))
 
     def _emit(self, proc: Proc, sink: IO[str], show: Show, raw: list[bytes]) -> None:
         lines = [line.decode(errors="replace") for line in raw]
@@ -143,16 +151,13 @@ class ProcessContext:
                     sink.write("".join(tag + line for line in lines))
                     sink.flush()
 
-    def wait(
-        self, main: Sequence[Watched], helpers: Sequence[Watched], finish_timeout: float = 60.0, timeout: Optional[float] = None
-    ) -> int:
+    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None) -> int:
         """Wait for the job; the launcher's exit status.
 
-        The job succeeds when every ``main`` process (the workers) exits 0 and every helper
-        (scheduler, servers) then exits by itself within ``finish_timeout``. The first process to
-        fail stops all others, and its status is returned; ``timeout`` stops the job with 124.
+        The job succeeds when every main process exits 0 and every helper then exits by itself
+        within ``finish_timeout``. The first process to fail stops all others, and its status is
+        returned; ``timeout`` stops the job with 124.
         """
-        watched = [*self.procs, *(p for p in (*main, *helpers) if not isinstance(p, Proc))]
         started = time.monotonic()
         finished_at: Optional[float] = None
         next_sample = 0.0
@@ -161,17 +166,17 @@ class ProcessContext:
                 for proc in self.procs:
                     proc.sample()
                 next_sample = time.monotonic() + 0.25
-            failed = next((p for p in watched if p.returncode not in (None, 0)), None)
-            if failed is not None and failed.returncode is not None:
-                code = failed.returncode
-                self.stop_all()
-                first = getattr(failed, "failure", "")
-                cause = f" ({first})" if first else ""
-                self.report(f"{failed.name} {describe_exit(code)}{cause}; stopped the other processes of the job", failed)
-                return failure_status(first) if first else exit_status(code)
-            if finished_at is None and all(p.returncode == 0 for p in main):
+            for p, _ in self.watched:
+                code = p.returncode
+                if code:  # the first process to fail
+                    self.stop_all()
+                    first = getattr(p, "failure", "")
+                    cause = f" ({first})" if first else ""
+                    self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
+                    return failure_status(first) if first else exit_status(code)
+            if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main):
                 finished_at = time.monotonic()
-            alive = [p.name for p in helpers if p.returncode is None]
+            alive = [p.name for p, main in self.watched if not main and p.returncode is None]
             if finished_at is not None and not alive:
                 self._drain()
                 return 0
@@ -267,15 +272,11 @@ class Backend:
     def prepare(self) -> None:
         """Checks and copies before anything starts (not for ``--dry-run``)."""
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
-        """Start the servers and workers; the main processes (the workers) and the helpers."""
-        main: list[Watched] = []
-        helpers: list[Watched] = []
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
+        """Start the servers and workers, or what stands for them."""
         for p in self.processes(port):
             time.sleep(p.delay)
-            proc = ctx.start(p.name, p.argv, {**self.spec.environ, **p.env}, show=p.show, stdin=p.stdin)
-            (main if p.main else helpers).append(proc)
-        return main, helpers
+            ctx.start(p.name, p.argv, {**self.spec.environ, **p.env}, show=p.show, stdin=p.stdin, main=p.main)
 
     def cancel(self, ctx: ProcessContext) -> None:
         """Stop what runs elsewhere (``scancel``, ``qdel``); called once, when the job stops early."""
@@ -285,14 +286,11 @@ class Backend:
 
 
 def run_job(spec: JobSpec, backend: Backend) -> int:
-    """Run the job ``spec`` through ``backend``; the launcher's exit status.
+    """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``); the launcher's exit status.
 
     Blocks until the job ends (for YARN and Kubernetes: until it is submitted). A bad option, a
     missing tool or an unreachable host raises :class:`LaunchError` before anything starts;
-    whatever goes wrong later stops everything that was started. ::
-
-        spec = JobSpec(num_workers=4, num_servers=2, command=["python3", "train.py"], hosts=read_hostfile("hosts"))
-        status = run_job(spec, ssh.Ssh(spec))
+    whatever goes wrong later stops everything that was started.
     """
     here = bool(spec.num_servers) and backend.address is not None
     if spec.dry_run:
@@ -316,15 +314,9 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     status: Optional[int] = None
     try:
-        helpers: list[Watched] = []
-        port = None
-        if here:
-            scheduler, port = start_scheduler(ctx, spec, backend)
-            helpers.append(scheduler)
-        main, more = backend.start(ctx, port)
+        backend.start(ctx, start_scheduler(ctx, spec, backend) if here else None)
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
-        finish = max(30.0, config.heartbeat_timeout() * 2)
-        status = ctx.wait(main, [*helpers, *more], finish_timeout=finish, timeout=timeout)
+        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)
         return status
     except FileNotFoundError as exc:
         ctx.stop_all()
@@ -338,8 +330,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         backend.close(status)
 
 
-def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> tuple[Proc, int]:
-    """Start the scheduler here, bound to ``backend.address``; it and the port it chose.
+def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:
+    """Start the scheduler here, bound to ``backend.address``; the port it chose.
 
     Blocks until the scheduler reports the port through a pipe (``PSKV_PORT_FD``); one that exits
     first, or takes longer than ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`.
@@ -365,11 +357,7 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> tup
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=5)
         raise LaunchError(f"the scheduler exited with status {proc.returncode} before reporting its port")
-    return proc, int(data)
-
-
-# --------------------------------------------------------------------------------------------
-# helpers of the backends
+    return int(data)
 
 
 def require_tool(name: str, launcher: str, hint: str = "") -> str:
@@ -392,13 +380,13 @@ def run_quiet(argv: Sequence[str], timeout: float = 60.0, input: Optional[str] =
         raise LaunchError(f"cannot run `{shlex.join(argv)}`: {exc.strerror or exc}") from None
 
 
-def submitted(ctx: ProcessContext, name: str, res: subprocess.CompletedProcess[str], success: str) -> list[Watched]:
-    """Show a submission's output (and ``success`` if it worked); the submission, as done."""
+def submitted(ctx: ProcessContext, name: str, res: subprocess.CompletedProcess[str], success: str) -> None:
+    """Show a submission's output (and ``success`` if it worked); ``ctx`` watches it as done."""
     sys.stdout.write(res.stdout)
     sys.stderr.write(res.stderr)
     if res.returncode == 0:
         ctx.report(success)
-    return [Done(name, res.returncode, res.stderr.splitlines()[-10:])]
+    ctx.watch(Done(name, res.returncode, res.stderr.splitlines()[-10:]), main=True)
 
 
 class Spool(threading.Thread):

@@ -4,9 +4,8 @@ Objects (labelled ``pskv/job: NAME``, ``pskv/role: ROLE``): ``Service NAME-sched
 ``--port``; ``Job NAME-scheduler``, one pod running ``python3 -m pskv serve`` bound to its pod IP;
 ``Job NAME-server`` and ``Job NAME-worker``, Indexed Jobs of S and W pods running ``python3 -m
 pskv.launch.guard --rank-from JOB_COMPLETION_INDEX -- python3 -m pskv serve`` (or ``-- COMMAND``)
-with ``DMLC_PS_ROOT_URI=NAME-scheduler``. ``--output FILE`` writes them and ``--dry-run`` prints
-them as one JSON ``kind: List`` (which is YAML too); otherwise ``kubectl apply -f -`` applies them
-(docs/launchers/kubernetes.md).
+with ``DMLC_PS_ROOT_URI=NAME-scheduler``; one JSON ``kind: List`` (YAML too) of them is written
+(``--output``), printed (``--dry-run``) or applied (``kubectl apply -f -``; docs/launchers/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import shlex
 from typing import Any, Optional
 
 from ..errors import LaunchError
-from .job import Backend, ProcessContext, Watched, require_tool, run_quiet, submitted
+from .job import Backend, ProcessContext, require_tool, run_quiet, submitted
 from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"
@@ -37,10 +36,8 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
         raise LaunchError("the kubernetes launcher needs --image IMAGE (with python and pskv in it)")
     name = spec.name
     if not _DNS_LABEL.fullmatch(name) or len(name) > 52:
-        raise LaunchError(
-            f"--job-name {name!r}: Kubernetes names are lower-case letters, digits and '-', "
-            "at most 52 characters here (the objects add '-scheduler')"
-        )
+        rule = "Kubernetes names are lower-case letters, digits and '-', at most 52 characters here"
+        raise LaunchError(f"--job-name {name!r}: {rule} (the objects add '-scheduler')")
     scheduler = f"{name}-scheduler"
     requests = {"cpu": f"{spec.cpus:g}"} if spec.cpus is not None else {}
     limits = {"memory": f"{spec.memory_mb}Mi"} if spec.memory_mb is not None else {}
@@ -92,18 +89,18 @@ class Kubernetes(Backend):
         if not self.spec.output:
             self.kubectl = require_tool("kubectl", "kubernetes", "pass --output FILE to write the manifests instead")
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         spec = self.spec
         if spec.output:
             with open(spec.output, "w") as f:
                 f.write(self.text)
             ctx.report(f"wrote {self.objects} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
-            return [], []
+            return
         apply = ["apply", "-f", "-", *spec.launcher_args]
         res = run_quiet([self.kubectl, *apply], timeout=300, input=self.text)
         logs = f"kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
         success = f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service -l pskv/job={spec.name}`"
-        return submitted(ctx, shlex.join(["kubectl", *apply]), res, success), []
+        submitted(ctx, shlex.join(["kubectl", *apply]), res, success)
 
 
 backend = Kubernetes

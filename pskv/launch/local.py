@@ -1,10 +1,7 @@
-"""``pskv launch --launcher local``: the whole job on this machine.
-
-The scheduler (``python -m pskv serve``, on a free port of 127.0.0.1 that it reports through a
-pipe), S servers (``python -m pskv serve``) and W workers running COMMAND, each in a process
-group of its own, with this machine's environment plus the ``DMLC_*`` contract; workers also get
-the variables ``torchrun`` sets, and ``OMP_NUM_THREADS`` = cores / W unless it is set. With
-``PSKV_TIMELINE=path``, the processes' timelines are merged into ``path`` when the job ends.
+"""``pskv launch --launcher local``: the scheduler (``python -m pskv serve`` on a free port of
+127.0.0.1), S servers (``python -m pskv serve``) and W workers running COMMAND, all on this
+machine, each in a process group of its own (docs/launchers/local.md). With
+``PSKV_TIMELINE=path`` the processes' timelines are merged into ``path`` when the job ends.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
-from .job import Backend, Planned, ProcessContext, Show, Watched, run_job
+from .job import Backend, Planned, ProcessContext, Show, run_job
 from .spec import ROLES, SERVE, JobSpec, free_port
 
 
@@ -41,9 +38,9 @@ class Local(Backend):
             out.append(Planned(f"worker {w}", spec.argv("worker"), env, main=True, show="raw" if self.quiet and w == 0 else show))
         return out
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         self.ctx = ctx
-        return super().start(ctx, port)
+        super().start(ctx, port)
 
     def close(self, status: Optional[int]) -> None:
         path = {**self.spec.environ, **self.spec.env}.get("PSKV_TIMELINE")
@@ -57,24 +54,14 @@ backend = Local
 
 
 def launch_local(
-    num_workers: int,
-    num_servers: int,
-    command: Sequence[str],
-    extra_env: Optional[Mapping[str, str]] = None,
-    role_extra: Optional[Mapping[str, Mapping[str, str]]] = None,
-    timeout: Optional[float] = None,
-    quiet: bool = False,
-    peak_rss_mb: Optional[dict[str, float]] = None,
-) -> int:
+    num_workers: int, num_servers: int, command: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
+    role_extra: Optional[Mapping[str, Mapping[str, str]]] = None, timeout: Optional[float] = None,
+    quiet: bool = False, peak_rss_mb: Optional[dict[str, float]] = None,
+) -> int:  # fmt: skip
     """Run a job on this machine; the exit status (0 when every worker succeeded). Blocks until
-    the job ends.
-
-    ``extra_env`` goes to every process, ``role_extra["server"]`` / ``["worker"]`` to one role.
-    ``quiet``: show worker 0's output as it is and keep the others' for the failure report (as
-    ``pskv train`` does); otherwise every line is shown, prefixed. ``peak_rss_mb``, if given,
-    receives every process's peak resident memory by name. ::
-
-        status = launch_local(2, 1, [sys.executable, "train.py"], extra_env={"PSKV_VERBOSE": "1"})
+    the job ends. ``extra_env`` goes to every process, ``role_extra["server"]`` / ``["worker"]``
+    to one role. ``quiet``: show worker 0's output as it is and keep the others' for a failure
+    report (as ``pskv train`` does). ``peak_rss_mb`` receives each process's peak memory by name.
     """
     role_env = {r: dict((role_extra or {}).get(r, {})) for r in ROLES}
     spec = JobSpec(num_workers, num_servers, list(command), dict(extra_env or {}), role_env, timeout=timeout)

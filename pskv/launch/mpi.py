@@ -8,10 +8,9 @@ The scheduler runs here. One MPMD command starts the rest, servers first::
       : -np W -x DMLC_ROLE=worker -x ... \\
         python3 -m pskv.launch.guard --rank-from ... --rank-offset S --prefix 'worker {rank}' -- COMMAND
 
-With ``-H``, Open MPI gets ``--oversubscribe`` and one context per run of consecutive processes
-on one host (``-np 1 --host a ... : -np 1 --host b ...``), placed as the ssh launcher places
-them; MPICH's hydra (``-n``, ``-env NAME VALUE``) gets ``-f`` a hostfile listing every process's
-host in rank order. Without ``-H`` mpirun places them (docs/launchers/mpi.md).
+With ``-H`` the launcher places the processes as the ssh launcher does: Open MPI gets one context
+per run of processes on one host (``-np 1 --host a ... : ...``), MPICH's hydra a hostfile
+(``-f``) of every process's host in rank order (docs/launchers/mpi.md).
 """
 
 from __future__ import annotations

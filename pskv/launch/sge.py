@@ -6,10 +6,8 @@ the execution hosts share), in a new ``.pskv-sge-*`` directory DIR::
     qsub -terse -cwd -V -S /bin/sh -N NAME-worker -t 1-W -j y -o DIR [--launcher-args] DIR/worker.sh
 
 ``worker.sh`` exports the job's variables and ends with ``exec python3 -m pskv.launch.guard
---rank-from SGE_TASK_ID --rank-offset 1 --prefix 'worker {rank}' --status-dir DIR -- COMMAND``.
-The launcher follows the tasks' output files and the status file each guard writes; the first
-task to fail, to end without a status, or to sit in an error state stops the job (``qdel`` of
-both arrays; docs/launchers/sge.md).
+--rank-from SGE_TASK_ID --rank-offset 1 --prefix 'worker {rank}' --status-dir DIR -- COMMAND``;
+the launcher follows the tasks' output and status files (docs/launchers/sge.md).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import time
 from typing import Optional
 
 from ..errors import LaunchError
-from .job import Backend, ProcessContext, Spool, Watched, require_tool, run_quiet
+from .job import Backend, ProcessContext, Spool, require_tool, run_quiet
 from .spec import JobSpec, export_lines, scheduler_address
 
 #: how long the scheduler here waits for queued tasks to register, unless PSKV_START_TIMEOUT says
@@ -99,7 +97,7 @@ class Sge(Backend):
                 text += f"# {role} script {qsub[-1]}\n{f.read()}# submit\n{shlex.join(qsub)}\n"
         return text
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         spec = self.spec
         for role, qsub in self.submissions(port).items():
             res = run_quiet(qsub, timeout=120)
@@ -110,8 +108,9 @@ class Sge(Backend):
         jobs = [f"{self.ids[r]} ({spec.count(r)} {r}{'s' if spec.count(r) > 1 else ''})" for r in spec.roles()]
         ctx.report("submitted Grid Engine job(s) " + ", ".join(jobs))
         self.spool.start()
-        tasks: dict[str, list[Watched]] = {r: [Task(self, r, i) for i in range(spec.count(r))] for r in spec.roles()}
-        return tasks.get("worker", []), tasks.get("server", [])
+        for role in spec.roles():
+            for rank in range(spec.count(role)):
+                ctx.watch(Task(self, role, rank), main=role == "worker")
 
     def listed(self) -> Optional[dict[str, str]]:
         """Job id -> the states of its tasks, as ``qstat`` lists them (None if it failed)."""

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Optional
 
 from ..errors import LaunchError
-from .job import Backend, Planned, ProcessContext, Spool, Watched, require_tool, run_quiet
+from .job import Backend, Planned, ProcessContext, Spool, require_tool, run_quiet
 from .spec import JobSpec, scheduler_address
 
 
@@ -99,8 +99,8 @@ class Sbatch(Backend):
     def plan(self, port: Optional[int]) -> str:
         return f"{self.batch_script()}# submit\n{shlex.join(self.argv)}"
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
-        proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail")
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
+        proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail", main=True)
         self.spool.start()
         deadline = time.monotonic() + 60
         while not self.job_id and proc.returncode is None and time.monotonic() < deadline:
@@ -110,7 +110,6 @@ class Sbatch(Backend):
         if self.job_id:
             jobs = f"{self.spec.num_servers} server(s), {self.spec.num_workers} worker(s)"
             ctx.report(f"submitted Slurm job {self.job_id} ({jobs}); its output follows")
-        return [proc], []
 
     def cancel(self, ctx: ProcessContext) -> None:
         scancel = shutil.which("scancel")

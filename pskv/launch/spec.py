@@ -163,9 +163,8 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.num_servers < 0:
-            raise LaunchError(
-                f"need at least one worker and no negative server count, got -n {self.num_workers} -s {self.num_servers}"
-            )
+            counts = f"-n {self.num_workers} -s {self.num_servers}"
+            raise LaunchError(f"need at least one worker and no negative server count, got {counts}")
         if not self.command:
             raise LaunchError("no command to run: pskv launch -n 2 -s 2 -- python train.py")
         if not self.name:
@@ -192,24 +191,15 @@ class JobSpec:
         return [self.python, "-m", "pskv.launch.guard", *options, "--", *self.argv(role)]
 
     def process_env(
-        self,
-        role: str,
-        root_uri: str,
-        port: Optional[int],
-        rank: Optional[int] = None,
-        *,
-        base: Optional[Mapping[str, str]] = None,
-        torch: Optional[Mapping[str, str]] = None,
-    ) -> dict[str, str]:
+        self, role: str, root_uri: str, port: Optional[int], rank: Optional[int] = None, *,
+        base: Optional[Mapping[str, str]] = None, torch: Optional[Mapping[str, str]] = None,
+    ) -> dict[str, str]:  # fmt: skip
         """The environment of one process of ``role`` (``"scheduler"``, ``"server"``, ``"worker"``).
 
         It starts from ``base`` (this machine's environment, for a process started here), by
-        default from the launcher's forwarded ``PSKV_*`` and ``DMLC_INTERFACE`` only. ``rank``
-        sets the id where the launcher knows it; ``port`` None (no scheduler) leaves
-        ``DMLC_PS_ROOT_PORT`` out. Workers also get ``torch`` (``LOCAL_RANK``, ``MASTER_ADDR``,
-        ...). ``--env-ROLE`` comes last, so it wins. ::
-
-            env = spec.process_env("worker", "10.0.0.5", 9000, rank=2)  # DMLC_WORKER_ID=2, RANK=2, ...
+        default from the launcher's forwarded ``PSKV_*`` and ``DMLC_INTERFACE``. ``rank`` sets the
+        id where the launcher knows it; ``port`` None (no scheduler) leaves ``DMLC_PS_ROOT_PORT``
+        out. Workers also get ``torch`` (``LOCAL_RANK``, ...). ``--env-ROLE`` comes last, so it wins.
         """
         if base is None:
             base = {k: v for k, v in self.environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}

@@ -1,15 +1,11 @@
 """``pskv launch --launcher ssh``: servers and workers on the hosts of a hostfile, over OpenSSH.
 
-First every host must answer ``ssh HOST true``; ``--sync-dst-dir DIR`` copies the working
-directory there (``rsync -a --mkpath -e SSH ./ HOST:DIR/``, once per machine as ``ssh -G``
-resolves the names); ``--python`` must import pskv there. The scheduler runs here; each server
-and worker, placed round robin over the hosts, is one ssh client here::
+After ``ssh HOST true`` on every host (and ``rsync -a --mkpath -e SSH ./ HOST:DIR/`` for
+``--sync-dst-dir DIR``), each server and worker is one ssh client here, its output prefixed
+``[worker 2@HOST] ``, its stdin a pipe that closes when the job stops (docs/launchers/ssh.md)::
 
     ssh -o BatchMode=yes -o ConnectTimeout=10 -T HOST 'cd DIR && exec env DMLC_ROLE=worker ... \\
         python3 -m pskv.launch.guard --watch-stdin --workers-here N --grace 3 -- COMMAND'
-
-with its output prefixed ``[worker 2@HOST] ``, and a pipe for stdin that the launcher never
-writes: when the job stops or the launcher dies, the remote guard sees EOF and stops COMMAND.
 """
 
 from __future__ import annotations

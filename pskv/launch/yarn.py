@@ -16,7 +16,7 @@ import shlex
 import tempfile
 from typing import Any, Optional
 
-from .job import Backend, ProcessContext, Watched, require_tool, run_quiet, submitted
+from .job import Backend, ProcessContext, require_tool, run_quiet, submitted
 from .spec import JobSpec
 
 SCHEDULER_DNS = "scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}"
@@ -60,13 +60,13 @@ class Yarn(Backend):
         if not self.spec.output:
             self.submit[0] = require_tool("yarn", "yarn", "pass --output FILE to write the service spec instead, or --dry-run to see it")
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         name = self.spec.name
         if self.spec.output:
             with open(self.spec.output, "w") as f:
                 f.write(self.text)
             ctx.report(f"wrote the YARN service spec to {self.spec.output}; submit it with: {shlex.join(self.submit)}")
-            return [], []
+            return
         fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
@@ -75,7 +75,7 @@ class Yarn(Backend):
         finally:
             os.unlink(path)
         success = f"launched YARN service {name}; follow it with `yarn app -status {name}`, stop it with `yarn app -destroy {name}`"
-        return submitted(ctx, "yarn app -launch", res, success), []
+        submitted(ctx, "yarn app -launch", res, success)
 
 
 backend = Yarn

@@ -777,11 +777,15 @@ class _Remote:
 def test_wait_watches_processes_that_run_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
     ctx = ProcessContext()
     sleeper = ctx.start("scheduler", [PY, "-c", "import time; time.sleep(60)"], {})
-    assert ctx.wait([_Remote("worker 4", 6)], [sleeper]) == 6
+    ctx.watch(_Remote("worker 4", 6), main=True)
+    assert ctx.wait() == 6
     assert sleeper.returncode is not None
     err = capsys.readouterr().err
     assert "worker 4 exited with status 6" in err and "last words" in err
-    assert ProcessContext().wait([_Remote("worker 0", 0)], [_Remote("server 0", 0)]) == 0
+    ctx = ProcessContext()
+    ctx.watch(_Remote("worker 0", 0), main=True)
+    ctx.watch(_Remote("server 0", 0), main=False)
+    assert ctx.wait() == 0
 
 
 def test_spool_copies_whole_lines_of_files_that_appear_late(
