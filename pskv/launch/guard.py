@@ -27,6 +27,7 @@ from types import FrameType
 from typing import IO, Optional
 
 ID_VARS = {"server": "DMLC_SERVER_ID", "worker": "DMLC_WORKER_ID"}
+Stop = Callable[[subprocess.Popen[bytes]], None]  # how terminate() signals one process
 
 
 class LineBuffer:
@@ -100,9 +101,6 @@ def child_env(
 def exit_status(code: int) -> int:
     """A shell's exit status for a ``Popen`` return code: 128 + N for signal N."""
     return 128 - code if code < 0 else code
-
-
-Stop = Callable[[subprocess.Popen[bytes]], None]
 
 
 def terminate(popens: Sequence[subprocess.Popen[bytes]], term: Stop, kill: Stop, grace: float) -> None:

@@ -116,12 +116,10 @@ class ProcessContext:
         show: Show = "prefix", stdin: Stdin = "devnull", main: bool = False,
     ) -> Proc:  # fmt: skip
         """Start ``argv`` with ``env`` in a new process group, as a main process or a helper.
-
         ``show``: ``"prefix"`` streams its output as ``[name] ...`` lines, ``"raw"`` as it is,
         ``"tail"`` only keeps the last lines for a failure report. ``stdin="pipe"``: a pipe that is
         never written and closes when the job stops or this process dies (an ssh client passes
-        that EOF on to the remote guard).
-        """
+        that EOF on to the remote guard)."""
         popen = subprocess.Popen(
             list(argv), env=dict(env), stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
@@ -152,12 +150,9 @@ class ProcessContext:
                     sink.flush()
 
     def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None) -> int:
-        """Wait for the job; the launcher's exit status.
-
-        The job succeeds when every main process exits 0 and every helper then exits by itself
-        within ``finish_timeout``. The first process to fail stops all others, and its status is
-        returned; ``timeout`` stops the job with 124.
-        """
+        """Wait for the job; the launcher's exit status. The job succeeds when every main process
+        exits 0 and every helper then exits by itself within ``finish_timeout``. The first process
+        to fail stops all others, and its status is returned; ``timeout`` stops the job with 124."""
         started = time.monotonic()
         finished_at: Optional[float] = None
         next_sample = 0.0
@@ -287,11 +282,9 @@ class Backend:
 
 def run_job(spec: JobSpec, backend: Backend) -> int:
     """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``); the launcher's exit status.
-
     Blocks until the job ends (for YARN and Kubernetes: until it is submitted). A bad option, a
     missing tool or an unreachable host raises :class:`LaunchError` before anything starts;
-    whatever goes wrong later stops everything that was started.
-    """
+    whatever goes wrong later stops everything that was started."""
     here = bool(spec.num_servers) and backend.address is not None
     if spec.dry_run:
         try:
@@ -331,11 +324,9 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
 
 
 def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:
-    """Start the scheduler here, bound to ``backend.address``; the port it chose.
-
-    Blocks until the scheduler reports the port through a pipe (``PSKV_PORT_FD``); one that exits
-    first, or takes longer than ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`.
-    """
+    """Start the scheduler here, bound to ``backend.address``; the port it chose. Blocks until
+    the scheduler reports it through a pipe (``PSKV_PORT_FD``); one that exits first, or takes
+    longer than ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`."""
     assert backend.address is not None
     read_fd, write_fd = os.pipe()
     env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env}

@@ -195,12 +195,10 @@ class JobSpec:
         base: Optional[Mapping[str, str]] = None, torch: Optional[Mapping[str, str]] = None,
     ) -> dict[str, str]:  # fmt: skip
         """The environment of one process of ``role`` (``"scheduler"``, ``"server"``, ``"worker"``).
-
         It starts from ``base`` (this machine's environment, for a process started here), by
         default from the launcher's forwarded ``PSKV_*`` and ``DMLC_INTERFACE``. ``rank`` sets the
         id where the launcher knows it; ``port`` None (no scheduler) leaves ``DMLC_PS_ROOT_PORT``
-        out. Workers also get ``torch`` (``LOCAL_RANK``, ...). ``--env-ROLE`` comes last, so it wins.
-        """
+        out. Workers also get ``torch`` (``LOCAL_RANK``, ...). ``--env-ROLE`` comes last, so it wins."""
         if base is None:
             base = {k: v for k, v in self.environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}
         env = {**base, **self.env, "DMLC_ROLE": role, "DMLC_PS_ROOT_URI": root_uri, "PYTHONUNBUFFERED": "1"}
