@@ -1,8 +1,5 @@
-"""``pskv launch``: start a job's scheduler, servers and workers.
-
-The options are defined here (:func:`add_parser`); :func:`run` hands the job to
-:func:`~pskv.launch.job.run_job` with the backend of the module named by ``--launcher``:
-``local`` (this machine), ``ssh``, ``mpi``, ``slurm``, ``sge``, ``yarn`` and ``kubernetes``.
+"""``pskv launch``: its options (:func:`add_parser`), and :func:`run`, which hands the job to
+:func:`~pskv.launch.job.run_job` with the backend of the module that ``--launcher`` names.
 docs/launchers/ has one page per launcher.
 """
 
@@ -12,12 +9,9 @@ import argparse
 import os
 import shlex
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import LaunchError
-
-if TYPE_CHECKING:
-    from .spec import JobSpec
 
 LAUNCHERS = ("local", "ssh", "mpi", "slurm", "sge", "yarn", "kubernetes")
 #: option (argparse dest) -> its flags and the launchers that use it; giving it to another is an error
@@ -91,21 +85,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("command", nargs=argparse.REMAINDER, help="the workers' command (after --)")
 
 
-def _check_options(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> int:
+    """Run ``pskv launch`` with parsed ``args``; the exit status. Blocks until the job ends."""
+    import importlib
+
+    from .job import run_job
+    from .spec import DEFAULT_PORT, JobSpec, read_hostfile
+
     for dest, (flags, users) in _USED_BY.items():
         if getattr(args, dest, None) not in (None, False, "") and args.launcher not in users:
             raise LaunchError(f"{flags} is not used by the {args.launcher} launcher (it is for: {', '.join(users)})")
-
-
-def job_spec(args: argparse.Namespace) -> JobSpec:
-    """The :class:`~pskv.launch.spec.JobSpec` of parsed ``pskv launch`` options."""
-    from .hosts import read_hostfile
-    from .spec import DEFAULT_PORT, JobSpec
-
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    servers = args.num_workers if args.num_servers is None else args.num_servers
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
     ssh = args.ssh_command or os.environ.get("PSKV_SSH") or "ssh"
     try:
         ssh_command = shlex.split(ssh)
@@ -114,34 +104,13 @@ def job_spec(args: argparse.Namespace) -> JobSpec:
         raise LaunchError(f"cannot split {ssh!r} or --launcher-args: {exc}") from None
     if not ssh_command:
         raise LaunchError("--ssh-command is empty")
-    return JobSpec(
-        num_workers=args.num_workers,
-        num_servers=servers,
-        command=command,
+    spec = JobSpec(
+        args.num_workers, args.num_workers if args.num_servers is None else args.num_servers, command,
         env=parse_env_specs(args.env),
         role_env={"server": parse_env_specs(args.env_server), "worker": parse_env_specs(args.env_worker)},
-        python=args.python or "python3",
-        hosts=read_hostfile(args.hostfile) if args.hostfile else [],
-        sync_dst_dir=args.sync_dst_dir,
-        timeout=args.timeout,
-        launcher_args=launcher_args,
-        ssh_command=ssh_command,
-        name=args.job_name or "",
-        image=args.image,
-        port=DEFAULT_PORT if args.port is None else args.port,
-        cpus=args.cpus,
-        memory_mb=args.memory,
-        output=args.output,
-        dry_run=args.dry_run,
-    )
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``pskv launch`` with parsed ``args``; the exit status. Blocks until the job ends."""
-    import importlib
-
-    from .job import run_job
-
-    _check_options(args)
-    spec = job_spec(args)
+        python=args.python or "python3", hosts=read_hostfile(args.hostfile) if args.hostfile else [],
+        sync_dst_dir=args.sync_dst_dir, timeout=args.timeout, launcher_args=launcher_args, ssh_command=ssh_command,
+        name=args.job_name or "", image=args.image, port=DEFAULT_PORT if args.port is None else args.port,
+        cpus=args.cpus, memory_mb=args.memory, output=args.output, dry_run=args.dry_run,
+    )  # fmt: skip
     return run_job(spec, importlib.import_module(f"{__name__}.{args.launcher}").backend(spec))

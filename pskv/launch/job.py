@@ -1,18 +1,15 @@
-"""Running a job: :func:`run_job` does what every launcher does, a :class:`Backend` what is
-specific to one tool.
-
-``run_job`` starts the scheduler here (for the backends whose scheduler runs on this machine:
-it binds a free port and reports it through a pipe, under ``pskv.launch.guard --watch-stdin`` so
-that it dies with the launcher), asks the backend to start the servers and workers, and waits:
-the first process to fail stops everything (the backend's :meth:`~Backend.cancel` ends what runs
-elsewhere) and its status is the launcher's; Ctrl-C and SIGTERM stop everything too (130 / 143),
-``--timeout`` as well (124). ``--dry-run`` prints the backend's plan and starts nothing.
+"""Running a job: :func:`run_job` does what every launcher does, a :class:`Backend` what is specific
+to one tool, and :class:`ProcessContext` starts, watches and stops the processes on this machine
+(docs/launchers/README.md, "How the launcher is built").
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import glob
 import os
+import re
 import select
 import shlex
 import shutil
@@ -22,30 +19,222 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import IO, Optional
+from typing import IO, Literal, Optional, Protocol
 
 from .. import config
 from ..errors import LaunchError
-from .guard import guard_argv
-from .lines import LineBuffer
-from .process import Proc, ProcessContext, Watched
+from .guard import LineBuffer, exit_status, pump, terminate
 from .spec import SERVE, JobSpec
+
+Show = Literal["prefix", "raw", "tail"]
+Stdin = Literal["devnull", "pipe"]
+#: what a guard writes when its command fails ("pskv guard: worker 1 failed: ..."); a launcher whose
+#: one client stands for many processes (mpirun, srun) quotes it and takes its status
+GUARD_FAILURE = ("pskv guard: ", " failed: ")
+
+
+class Watched(Protocol):
+    """What :meth:`ProcessContext.wait` needs of a process, here or elsewhere (a Grid Engine task)."""
+
+    name: str
+
+    @property
+    def tail(self) -> list[str]: ...
+
+    @property
+    def returncode(self) -> Optional[int]: ...
+
+
+@dataclass
+class Proc:
+    """A process started here."""
+
+    name: str  # "scheduler", "worker 0", "mpirun", ...
+    popen: subprocess.Popen[bytes]
+    readers: list[threading.Thread] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)  # its last lines, for the failure report
+    failure: str = ""  # the first guard failure line among them
+    peak_rss_mb: float = 0.0  # the largest resident size seen (Linux VmHWM), sampled while it runs
+
+    @property
+    def returncode(self) -> Optional[int]:
+        return self.popen.poll()
+
+    def sample(self) -> None:
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{self.popen.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024)
+
+
+@dataclass
+class Done:
+    """A submission that has already ended."""
+
+    name: str
+    returncode: Optional[int]
+    tail: list[str]
+
+
+def failure_status(line: str) -> int:
+    """The exit status that a guard's failure line reports (1 if none)."""
+    found = re.findall(r"(exited with status|was killed by signal) (\d+)", line)
+    if not found:
+        return 1
+    how, number = found[-1]
+    return int(number) + (128 if how.startswith("was killed") else 0)
+
+
+def describe_exit(code: int) -> str:
+    if code >= 0:
+        return f"exited with status {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+class ProcessContext:
+    """Start, watch and stop a job's processes on this machine; one launcher thread drives it."""
+
+    TAIL = 20  # lines kept of each process, for a failure report
+    GRACE = 5.0  # seconds between SIGTERM and SIGKILL
+
+    def __init__(self) -> None:
+        self.procs: list[Proc] = []
+        #: (process, main) in start order; the job is done when every main process (the workers,
+        #: or what stands for them) has exited 0 and the helpers (scheduler, servers) then by themselves
+        self.watched: list[tuple[Watched, bool]] = []
+        self.on_stop: Optional[Callable[[], None]] = None  # run once when the job stops early: cancel cluster jobs
+        self._lock = threading.Lock()
+
+    def start(
+        self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
+        show: Show = "prefix", stdin: Stdin = "devnull", main: bool = False,
+    ) -> Proc:  # fmt: skip
+        """Start ``argv`` with ``env`` in a new process group, as a main process or a helper.
+        ``show``: ``"prefix"`` streams its output as ``[name] ...`` lines, ``"raw"`` as it is,
+        ``"tail"`` only keeps the last lines for a failure report. ``stdin="pipe"``: a pipe that is
+        never written and closes when the job stops or this process dies (an ssh client passes
+        that EOF on to the remote guard)."""
+        popen = subprocess.Popen(
+            list(argv), env=dict(env), stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
+        )  # fmt: skip
+        proc = Proc(name, popen)
+        for pipe, sink in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
+            emit = functools.partial(self._emit, proc, sink, show)
+            proc.readers.append(threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}"))
+            proc.readers[-1].start()
+        self.procs.append(proc)
+        self.watch(proc, main)
+        return proc
+
+    def watch(self, process: Watched, main: bool) -> None:
+        """Wait for ``process`` too: a process started here, or one elsewhere (a Grid Engine task)."""
+        self.watched.append((process, main))
+
+    def _emit(self, proc: Proc, sink: IO[str], show: Show, raw: list[bytes]) -> None:
+        lines = [line.decode(errors="replace") for line in raw]
+        with self._lock:
+            if not proc.failure:
+                proc.failure = next((line.strip() for line in lines if all(part in line for part in GUARD_FAILURE)), "")
+            proc.tail = [*proc.tail, *(line.rstrip("\r\n") for line in lines if line.strip())][-self.TAIL :]
+            if show != "tail":
+                tag = f"[{proc.name}] " if show == "prefix" else ""
+                with contextlib.suppress(OSError, ValueError):
+                    sink.write("".join(tag + line for line in lines))
+                    sink.flush()
+
+    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None) -> int:
+        """Wait for the job; the launcher's exit status. The job succeeds when every main process
+        exits 0 and every helper then exits by itself within ``finish_timeout``. The first process
+        to fail stops all others, and its status is returned; ``timeout`` stops the job with 124."""
+        started = time.monotonic()
+        finished_at: Optional[float] = None
+        next_sample = 0.0
+        while True:
+            if time.monotonic() >= next_sample:
+                for proc in self.procs:
+                    proc.sample()
+                next_sample = time.monotonic() + 0.25
+            for p, _ in self.watched:
+                code = p.returncode
+                if code:  # the first process to fail
+                    self.stop_all()
+                    first = getattr(p, "failure", "")
+                    cause = f" ({first})" if first else ""
+                    self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
+                    return failure_status(first) if first else exit_status(code)
+            if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main):
+                finished_at = time.monotonic()
+            alive = [p.name for p, main in self.watched if not main and p.returncode is None]
+            if finished_at is not None and not alive:
+                self._drain()
+                return 0
+            if finished_at is not None and time.monotonic() - finished_at > finish_timeout:
+                self.stop_all()
+                self.report(f"the workers finished but {', '.join(alive)} did not exit within {finish_timeout:g} s; stopped them")
+                return 1
+            if timeout is not None and time.monotonic() - started > timeout:
+                self.stop_all()
+                self.report(f"the job ran past its time limit of {timeout:g} s; stopped it")
+                return 124
+            time.sleep(0.05)
+
+    def stop_all(self) -> None:
+        """Stop every process still running: EOF on its stdin pipe if it has one, else SIGTERM to
+        its group; SIGKILL after :attr:`GRACE` seconds. :attr:`on_stop` runs first, once."""
+        on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            try:
+                on_stop()
+            except Exception as exc:  # stopping the rest matters more
+                self.report(f"while stopping: {exc}")
+        running = [p.popen for p in self.procs if p.returncode is None]
+        terminate(running, self._end, functools.partial(self._signal, sig=signal.SIGKILL), self.GRACE)
+        self._drain()
+
+    @staticmethod
+    def _signal(popen: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(popen.pid, sig)  # the group that start_new_session made
+
+    def _end(self, popen: subprocess.Popen[bytes]) -> None:
+        if popen.stdin is not None:
+            popen.stdin.close()
+        else:
+            self._signal(popen)
+
+    def _drain(self) -> None:
+        for p in self.procs:
+            if p.popen.stdin is not None:
+                p.popen.stdin.close()
+            for t in p.readers:
+                t.join(timeout=2.0)
+
+    def report(self, text: str, failed: Optional[Watched] = None) -> None:
+        with self._lock:
+            sys.stderr.write(f"pskv launch: {text}\n")
+            if failed is not None and failed.tail:
+                sys.stderr.write(f"pskv launch: last lines of {failed.name}:\n")
+                sys.stderr.write("".join(f"    {line}\n" for line in failed.tail[-10:]))
+            sys.stderr.flush()
 
 
 @dataclass
 class Planned:
-    """A process to start on this machine: a role itself, or a cluster tool's client standing
-    for one or many (``ssh``, ``mpirun``, ``srun``)."""
+    """A process to start here: a role, or a cluster tool's client standing for one or many."""
 
     name: str
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # on top of the launcher's environment
     main: bool = False  # the job is done when every main process has exited with status 0
-    show: str = "prefix"  # as for ProcessContext.start
-    stdin: str = "devnull"
+    show: Show = "prefix"
+    stdin: Stdin = "devnull"
     delay: float = 0.0  # seconds to wait before starting it
 
     def describe(self) -> str:
@@ -53,31 +242,19 @@ class Planned:
         return f"{self.name}: {env}{shlex.join(self.argv)}"
 
 
-@dataclass
-class Done:
-    """A step that has already ended (a submission), as :meth:`ProcessContext.wait` sees it."""
-
-    name: str
-    returncode: Optional[int]
-    tail: list[str] = field(default_factory=list)
-
-
 class Backend:
-    """How one launcher plans, starts and cancels the job's processes.
-
-    The defaults suit a launcher whose processes all start here (local, ssh, mpirun, srun): it
-    lists them in :meth:`processes`. Batch systems override :meth:`plan` and :meth:`start`.
-    """
+    """How one launcher plans, starts and cancels the job's processes. The defaults start the
+    :meth:`processes` here (local, ssh, mpirun, srun); batch systems override :meth:`start`."""
 
     title = ""  # the heading of the --dry-run output
     address: Optional[str] = None  # the scheduler runs here, bound to this; None: it runs elsewhere
     guarded = True  # the scheduler runs under pskv.launch.guard --watch-stdin
-    scheduler_show = "prefix"
+    scheduler_show: Show = "prefix"
     slack = 0.0  # seconds added to --timeout (time in a queue)
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
-        self.scheduler_env: dict[str, str] = {}  # extra variables for the scheduler
+        self.scheduler_env: dict[str, str] = {}
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         """The processes to start here, once the scheduler listens on ``port``."""
@@ -90,34 +267,24 @@ class Backend:
     def prepare(self) -> None:
         """Checks and copies before anything starts (not for ``--dry-run``)."""
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
-        """Start the servers and workers; the main processes (the workers, or what stands for
-        them) and the helpers, for :meth:`ProcessContext.wait`."""
-        main: list[Watched] = []
-        helpers: list[Watched] = []
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
+        """Start the servers and workers, or what stands for them."""
         for p in self.processes(port):
             time.sleep(p.delay)
-            proc = ctx.start(p.name, p.argv, {**self.spec.environ, **p.env}, show=p.show, stdin=p.stdin)
-            (main if p.main else helpers).append(proc)
-        return main, helpers
+            ctx.start(p.name, p.argv, {**self.spec.environ, **p.env}, show=p.show, stdin=p.stdin, main=p.main)
 
     def cancel(self, ctx: ProcessContext) -> None:
-        """Stop what runs elsewhere (``qdel``, ``scancel``); called once, when the job stops early."""
+        """Stop what runs elsewhere (``scancel``, ``qdel``); called once, when the job stops early."""
 
     def close(self, status: Optional[int]) -> None:
         """After the job (``status`` None: it raised): remove files, or keep and name them."""
 
 
 def run_job(spec: JobSpec, backend: Backend) -> int:
-    """Run the job ``spec`` through ``backend``; the launcher's exit status.
-
+    """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``); the launcher's exit status.
     Blocks until the job ends (for YARN and Kubernetes: until it is submitted). A bad option, a
     missing tool or an unreachable host raises :class:`LaunchError` before anything starts;
-    whatever goes wrong later stops everything that was started. ::
-
-        spec = JobSpec(num_workers=4, num_servers=2, command=["python3", "train.py"], hosts=read_hostfile("hosts"))
-        status = run_job(spec, ssh.backend(spec))
-    """
+    whatever goes wrong later stops everything that was started."""
     here = bool(spec.num_servers) and backend.address is not None
     if spec.dry_run:
         try:
@@ -127,21 +294,22 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
             return 0
         finally:
             backend.close(0)
-    status: Optional[int] = None
     backend.prepare()
     ctx = ProcessContext()
-    ctx.on_stop.append(lambda: backend.cancel(ctx))
-    stop = _StopOnSignal(ctx)
+    ctx.on_stop = lambda: backend.cancel(ctx)
+
+    def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:
+        ctx.report(f"got {signal.Signals(signum).name}; stopping the job")
+        ctx.stop_all()
+        raise SystemExit(128 + signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
+    status: Optional[int] = None
     try:
-        helpers: list[Watched] = []
-        port = None
-        if here:
-            scheduler, port = start_scheduler(ctx, spec, backend)
-            helpers.append(scheduler)
-        main, more = backend.start(ctx, port)
+        backend.start(ctx, start_scheduler(ctx, spec, backend) if here else None)
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
-        finish = max(30.0, config.heartbeat_timeout() * 2)
-        status = ctx.wait(main, [*helpers, *more], finish_timeout=finish, timeout=timeout)
+        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)
         return status
     except FileNotFoundError as exc:
         ctx.stop_all()
@@ -150,68 +318,37 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         ctx.stop_all()
         raise
     finally:
-        stop.restore()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         backend.close(status)
 
 
-def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> tuple[Proc, int]:
-    """Start the scheduler here, bound to ``backend.address`` on a port of its choosing; the
-    process and that port, which it reports through a pipe (``PSKV_PORT_FD``).
-
-    Blocks until the port arrives; a scheduler that exits first, or takes longer than
-    ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`.
-    """
+def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:
+    """Start the scheduler here, bound to ``backend.address``; the port it chose. Blocks until
+    the scheduler reports it through a pipe (``PSKV_PORT_FD``); one that exits first, or takes
+    longer than ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`."""
     assert backend.address is not None
     read_fd, write_fd = os.pipe()
     env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env}
     env["PSKV_PORT_FD"] = str(write_fd)
-    argv = [*guard_argv(sys.executable, watch_stdin=True), "--", *SERVE] if backend.guarded else SERVE
-    stdin = "pipe" if backend.guarded else "devnull"
+    guard = [sys.executable, "-m", "pskv.launch.guard", "--watch-stdin", "--"] if backend.guarded else []
     try:
-        proc = ctx.start("scheduler", argv, env, pass_fds=(write_fd,), show=backend.scheduler_show, stdin=stdin)
+        stdin: Stdin = "pipe" if backend.guarded else "devnull"
+        proc = ctx.start("scheduler", [*guard, *SERVE], env, pass_fds=(write_fd,), show=backend.scheduler_show, stdin=stdin)
     finally:
         os.close(write_fd)
     timeout = config.start_timeout()
-    deadline = time.monotonic() + timeout
-    data = b""
     try:
-        while not data.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
-            if select.select([read_fd], [], [], min(left, 0.2))[0]:
-                chunk = os.read(read_fd, 64)
-                if not chunk:  # it closed the pipe without a port: it failed to start
-                    proc.popen.wait(timeout=5)
-                    raise LaunchError(f"the scheduler exited with status {proc.returncode} before reporting its port")
-                data += chunk
+        if not select.select([read_fd], [], [], timeout)[0]:
+            raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
+        data = os.read(read_fd, 64)  # one small write: the whole line, or EOF
     finally:
         os.close(read_fd)
-    return proc, int(data.strip())
-
-
-class _StopOnSignal:
-    """Ctrl-C or SIGTERM to the launcher stops the whole job (exit status 128 + signal)."""
-
-    def __init__(self, ctx: ProcessContext):
-        self.ctx = ctx
-        self.old = {}
-        if threading.current_thread() is threading.main_thread():
-            self.old = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.ctx.report(f"got {signal.Signals(signum).name}; stopping the job")
-        self.ctx.stop_all()
-        self.restore()
-        raise SystemExit(128 + signum)
-
-    def restore(self) -> None:
-        for sig, handler in self.old.items():
-            signal.signal(sig, handler)
-
-
-# --------------------------------------------------------------------------------------------
-# helpers of the backends
+    if not data.strip():  # it closed the pipe without a port: it failed to start
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=5)
+        raise LaunchError(f"the scheduler exited with status {proc.returncode} before reporting its port")
+    return int(data)
 
 
 def require_tool(name: str, launcher: str, hint: str = "") -> str:
@@ -222,72 +359,60 @@ def require_tool(name: str, launcher: str, hint: str = "") -> str:
     return path
 
 
-def run_quiet(
-    argv: Sequence[str], timeout: float = 60.0, env: Optional[Mapping[str, str]] = None, input: Optional[str] = None
-) -> subprocess.CompletedProcess[str]:
-    """Run a short helper command, output captured (``input`` on its stdin); a hang is a
+def run_quiet(argv: Sequence[str], timeout: float = 60.0, input: Optional[str] = None) -> subprocess.CompletedProcess[str]:
+    """Run a short helper command, its output captured (``input`` on its stdin); a hang is a
     :class:`LaunchError`."""
     try:
-        return subprocess.run(
-            list(argv),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            input=input,
-            stdin=None if input is not None else subprocess.DEVNULL,
-            env=None if env is None else dict(env),
-        )
+        stdin = None if input is not None else subprocess.DEVNULL
+        return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input, stdin=stdin)
     except subprocess.TimeoutExpired:
         raise LaunchError(f"`{shlex.join(argv)}` did not finish within {timeout:g} s") from None
     except OSError as exc:
         raise LaunchError(f"cannot run `{shlex.join(argv)}`: {exc.strerror or exc}") from None
 
 
-def last_lines(text: str, n: int = 5) -> str:
-    return " | ".join([line for line in text.strip().splitlines() if line.strip()][-n:])
+def submitted(ctx: ProcessContext, name: str, res: subprocess.CompletedProcess[str], success: str) -> None:
+    """Show a submission's output (and ``success`` if it worked); ``ctx`` watches it as done."""
+    sys.stdout.write(res.stdout)
+    sys.stderr.write(res.stderr)
+    if res.returncode == 0:
+        ctx.report(success)
+    ctx.watch(Done(name, res.returncode, res.stderr.splitlines()[-10:]), main=True)
 
 
 class Spool(threading.Thread):
-    """A batch job's directory, new in the working directory (which the execution hosts share):
-    its scripts and output files. While it runs (:meth:`start`), the whole lines appended to the
-    files matching ``pattern`` there (asked again every 0.2 s: files appear late) are copied to
-    ``sink``; they are prefixed already (``[worker 1] ...``). :meth:`close` removes it after
-    success, and keeps and names it after a failure."""
+    """A batch job's new directory in the (shared) working directory, for its scripts and output
+    files; once started, it copies the lines appended to the files matching ``pattern`` to stdout."""
 
-    def __init__(self, prefix: str, pattern: str, sink: Optional[IO[str]] = None, directory: Optional[str] = None):
+    def __init__(self, prefix: str, pattern: str):
         super().__init__(daemon=True, name="pskv-spool")
-        self.dir = tempfile.mkdtemp(prefix=prefix, dir=directory or os.getcwd())
+        self.dir = tempfile.mkdtemp(prefix=prefix, dir=os.getcwd())
         self.pattern = pattern
-        self.sink = sink or sys.stdout
-        self._done = threading.Event()
-        self._files: dict[str, tuple[int, LineBuffer]] = {}
+        self.done = threading.Event()
+        self.files: dict[str, tuple[int, LineBuffer]] = {}
 
     def path(self, name: str) -> str:
         return os.path.join(self.dir, name)
 
-    def _copy(self, final: bool) -> None:
-        for path in sorted(glob.glob(self.path(self.pattern))):
-            pos, buffer = self._files.get(path) or (0, LineBuffer())
-            try:
-                with open(path, "rb") as f:
-                    f.seek(pos)
-                    lines = buffer.feed(f.read())
-                    self._files[path] = (f.tell(), buffer)
-            except OSError:
-                continue
-            lines += buffer.end() if final else []
-            self.sink.write("".join(line.decode(errors="replace") for line in lines))
-        self.sink.flush()
+    def copy(self, final: bool) -> None:
+        for path in sorted(glob.glob(self.path(self.pattern))):  # asked every time: files appear late
+            pos, buffer = self.files.get(path) or (0, LineBuffer())
+            with contextlib.suppress(OSError), open(path, "rb") as f:
+                f.seek(pos)
+                lines = buffer.feed(f.read()) + (buffer.end() if final else [])
+                self.files[path] = (f.tell(), buffer)
+                sys.stdout.write("".join(line.decode(errors="replace") for line in lines))
+        sys.stdout.flush()
 
     def run(self) -> None:
-        while not self._done.wait(0.2):
-            self._copy(final=False)
-        self._copy(final=True)
+        while not self.done.wait(0.2):
+            self.copy(final=False)
+        self.copy(final=True)
 
     def close(self, status: Optional[int], what: str) -> None:
-        """Stop following (the last lines are copied first); remove the directory if ``status`` is 0."""
+        """Stop following; remove the directory after success, else keep and name it."""
         if self.is_alive():
-            self._done.set()
+            self.done.set()
             self.join(timeout=10)
         if status == 0:
             shutil.rmtree(self.dir, ignore_errors=True)

@@ -1,16 +1,11 @@
 """``pskv launch --launcher kubernetes``: manifests for the job, written to a file or applied.
 
-Objects (all labelled ``pskv/job: NAME``, ``pskv/role: ROLE``; NAME is ``--job-name``):
-``Service NAME-scheduler`` on ``--port`` (9091); ``Job NAME-scheduler``, one pod running
-``python3 -m pskv serve`` bound to its pod IP; ``Job NAME-server`` and ``Job NAME-worker``,
-Indexed Jobs of S and W pods running ``python3 -m pskv.launch.guard --rank-from
-JOB_COMPLETION_INDEX -- python3 -m pskv serve`` (or ``-- COMMAND``), with
-``DMLC_PS_ROOT_URI=NAME-scheduler`` and ``DMLC_NODE_HOST`` = the pod's IP. Pods are never
-restarted and Jobs have ``backoffLimit: 0``; ``--timeout`` is ``activeDeadlineSeconds``.
-
-``--output FILE`` writes them, ``--dry-run`` prints them, as one JSON ``kind: List`` (also for a
-``.yaml`` file: JSON is YAML, and ``kubectl apply -f job.yaml`` reads it); otherwise ``kubectl
-apply -f -`` applies them.
+Objects (labelled ``pskv/job: NAME``, ``pskv/role: ROLE``): ``Service NAME-scheduler`` on
+``--port``; ``Job NAME-scheduler``, one pod running ``python3 -m pskv serve`` bound to its pod IP;
+``Job NAME-server`` and ``Job NAME-worker``, Indexed Jobs of S and W pods running ``python3 -m
+pskv.launch.guard --rank-from JOB_COMPLETION_INDEX -- python3 -m pskv serve`` (or ``-- COMMAND``)
+with ``DMLC_PS_ROOT_URI=NAME-scheduler``; one JSON ``kind: List`` (YAML too) of them is written
+(``--output``), printed (``--dry-run``) or applied (``kubectl apply -f -``; docs/launchers/kubernetes.md).
 """
 
 from __future__ import annotations
@@ -18,13 +13,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-import sys
 from typing import Any, Optional
 
 from ..errors import LaunchError
-from .guard import guard_argv
-from .job import Backend, Done, require_tool, run_quiet
-from .process import ProcessContext, Watched
+from .job import Backend, ProcessContext, require_tool, run_quiet, submitted
 from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"
@@ -32,10 +24,10 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 ONE_PER_POD = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
-def _env_list(env: dict[str, str], pod_ip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k not in pod_ip]
-    out += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} for k in pod_ip]
-    return out
+def _env_list(env: dict[str, str], pod_ip: str) -> list[dict[str, Any]]:
+    """A container's ``env``, with variable ``pod_ip`` set to the pod's IP (downward API)."""
+    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k != pod_ip]
+    return [*out, {"name": pod_ip, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
 
 
 def manifests(spec: JobSpec) -> list[dict[str, Any]]:
@@ -44,15 +36,17 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
         raise LaunchError("the kubernetes launcher needs --image IMAGE (with python and pskv in it)")
     name = spec.name
     if not _DNS_LABEL.fullmatch(name) or len(name) > 52:
-        raise LaunchError(
-            f"--job-name {name!r}: Kubernetes names are lower-case letters, digits and '-', "
-            "at most 52 characters here (the objects add '-scheduler')"
-        )
+        rule = "Kubernetes names are lower-case letters, digits and '-', at most 52 characters here"
+        raise LaunchError(f"--job-name {name!r}: {rule} (the objects add '-scheduler')")
     scheduler = f"{name}-scheduler"
-    labels = {"app.kubernetes.io/name": "pskv", "pskv/job": name}
     requests = {"cpu": f"{spec.cpus:g}"} if spec.cpus is not None else {}
     limits = {"memory": f"{spec.memory_mb}Mi"} if spec.memory_mb is not None else {}
     resources = {"resources": {"requests": {**requests, **limits}, "limits": limits}} if requests or limits else {}
+
+    labels = {"app.kubernetes.io/name": "pskv", "pskv/job": name}
+
+    def meta(role: str) -> dict[str, Any]:
+        return {"name": f"{name}-{role}", "labels": {**labels, "pskv/role": role}}
 
     def job(role: str, count: int, container: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {"completions": count, "parallelism": count, "backoffLimit": 0}
@@ -61,22 +55,20 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
         if spec.timeout is not None:
             body["activeDeadlineSeconds"] = int(spec.timeout)
         pod = {"restartPolicy": "Never", "containers": [{"name": role, "image": spec.image, **container}]}
-        body["template"] = {"metadata": {"labels": {**labels, "pskv/role": role}}, "spec": pod}
-        meta = {"name": f"{name}-{role}", "labels": {**labels, "pskv/role": role}}
-        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": body}
+        body["template"] = {"metadata": {"labels": meta(role)["labels"]}, "spec": pod}
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta(role), "spec": body}
 
     items: list[dict[str, Any]] = []
     if spec.num_servers:
         ports = [{"name": "scheduler", "port": spec.port, "targetPort": spec.port}]
         service = {"selector": {"pskv/job": name, "pskv/role": "scheduler"}, "ports": ports}
-        meta = {"name": scheduler, "labels": {**labels, "pskv/role": "scheduler"}}
-        items.append({"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": service})
-        env = _env_list(spec.process_env("scheduler", scheduler, spec.port), pod_ip=("DMLC_PS_ROOT_URI",))
+        items.append({"apiVersion": "v1", "kind": "Service", "metadata": meta("scheduler"), "spec": service})
+        env = _env_list(spec.process_env("scheduler", scheduler, spec.port), "DMLC_PS_ROOT_URI")
         port = [{"containerPort": spec.port, "name": "scheduler"}]
         items.append(job("scheduler", 1, {"command": spec.argv("server"), "env": env, "ports": port}))
     for role in spec.roles():
-        env = _env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), pod_ip=("DMLC_NODE_HOST",))
-        command = [*guard_argv(spec.python, rank_from=[RANK_VAR]), "--", *spec.argv(role)]
+        env = _env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), "DMLC_NODE_HOST")
+        command = spec.guarded(role, "--rank-from", RANK_VAR)
         items.append(job(role, spec.count(role), {"command": command, "env": env, **resources}))
     return items
 
@@ -97,21 +89,18 @@ class Kubernetes(Backend):
         if not self.spec.output:
             self.kubectl = require_tool("kubectl", "kubernetes", "pass --output FILE to write the manifests instead")
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         spec = self.spec
         if spec.output:
             with open(spec.output, "w") as f:
                 f.write(self.text)
             ctx.report(f"wrote {self.objects} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
-            return [], []
-        res = run_quiet([self.kubectl, "apply", "-f", "-", *spec.launcher_args], timeout=300, input=self.text)
-        sys.stdout.write(res.stdout)
-        sys.stderr.write(res.stderr)
-        if res.returncode == 0:
-            logs = f"kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
-            ctx.report(f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service -l pskv/job={spec.name}`")
-        return [Done(shlex.join(["kubectl", "apply", "-f", "-", *spec.launcher_args]), res.returncode, res.stderr.splitlines()[-10:])], []
+            return
+        apply = ["apply", "-f", "-", *spec.launcher_args]
+        res = run_quiet([self.kubectl, *apply], timeout=300, input=self.text)
+        logs = f"kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
+        success = f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service -l pskv/job={spec.name}`"
+        submitted(ctx, shlex.join(["kubectl", *apply]), res, success)
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Kubernetes(spec)
+backend = Kubernetes

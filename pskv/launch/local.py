@@ -1,21 +1,16 @@
-"""``pskv launch --launcher local``: the whole job on this machine.
-
-One scheduler (``python -m pskv serve``, a free port on 127.0.0.1 reported through a pipe, so no
-port is ever guessed), S servers (``python -m pskv serve``) and W workers running COMMAND, each
-in a process group of its own with this machine's environment plus the ``DMLC_*`` contract of
-SPEC.md section 8. Workers also get the variables ``torchrun`` sets (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so code written for
-``torch.distributed`` runs under ``pskv launch`` too, and ``OMP_NUM_THREADS`` = cores / workers
-unless it is set.
+"""``pskv launch --launcher local``: the scheduler (``python -m pskv serve`` on a free port of
+127.0.0.1), S servers (``python -m pskv serve``) and W workers running COMMAND, all on this
+machine, each in a process group of its own (docs/launchers/local.md). With
+``PSKV_TIMELINE=path`` the processes' timelines are merged into ``path`` when the job ends.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
-from .job import Backend, Planned, run_job
-from .process import ProcessContext, Watched
+from .job import Backend, Planned, ProcessContext, Show, run_job
 from .spec import ROLES, SERVE, JobSpec, free_port
 
 
@@ -31,46 +26,42 @@ class Local(Backend):
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec, here, n = self.spec, self.address, self.spec.num_workers
-        show = "tail" if self.quiet else "prefix"
+        show: Show = "tail" if self.quiet else "prefix"  # quiet: keep only the last lines, for a failure report
         out = [
             Planned(f"server {s}", SERVE, spec.process_env("server", here, port, s, base=spec.environ), show=show)
             for s in range(spec.num_servers)
         ]
         torch = {"LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": here, "MASTER_PORT": str(free_port())}
         for w in range(n):
-            env = spec.process_env("worker", here, port, w, base=spec.environ, torch={**torch, "LOCAL_RANK": str(w)}, workers_here=n)
-            shown = ("raw" if w == 0 else "tail") if self.quiet else "prefix"
-            out.append(Planned(f"worker {w}", spec.argv("worker"), env, main=True, show=shown))
+            env = spec.process_env("worker", here, port, w, base=spec.environ, torch={**torch, "LOCAL_RANK": str(w)})
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+            out.append(Planned(f"worker {w}", spec.argv("worker"), env, main=True, show="raw" if self.quiet and w == 0 else show))
         return out
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         self.ctx = ctx
-        return super().start(ctx, port)
+        super().start(ctx, port)
+
+    def close(self, status: Optional[int]) -> None:
+        path = {**self.spec.environ, **self.spec.env}.get("PSKV_TIMELINE")
+        if path:
+            from ..ps import timeline  # not at the top: pskv.ps loads zmq
+
+            timeline.merge(path)
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Local(spec)
+backend = Local
 
 
 def launch_local(
-    num_workers: int,
-    num_servers: int,
-    command: Sequence[str],
-    extra_env: Optional[Mapping[str, str]] = None,
-    role_extra: Optional[Mapping[str, Mapping[str, str]]] = None,
-    timeout: Optional[float] = None,
-    quiet: bool = False,
-    peak_rss_mb: Optional[dict[str, float]] = None,
-) -> int:
-    """Run the job on this machine; the exit status (0 when every worker succeeded).
-
-    Blocks until the job ends. ``extra_env`` goes to every process, ``role_extra["server"]`` /
-    ``["worker"]`` to one role. ``quiet``: show worker 0's output as it is and keep the others'
-    for the failure report (what ``pskv train`` started by hand does); otherwise every line is
-    shown, prefixed. ``peak_rss_mb``, if given, receives every process's peak resident memory
-    by name. ::
-
-        status = launch_local(2, 1, [sys.executable, "train.py"], extra_env={"PSKV_VERBOSE": "1"})
+    num_workers: int, num_servers: int, command: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
+    role_extra: Optional[Mapping[str, Mapping[str, str]]] = None, timeout: Optional[float] = None,
+    quiet: bool = False, peak_rss_mb: Optional[dict[str, float]] = None,
+) -> int:  # fmt: skip
+    """Run a job on this machine; the exit status (0 when every worker succeeded). Blocks until
+    the job ends. ``extra_env`` goes to every process, ``role_extra["server"]`` / ``["worker"]``
+    to one role. ``quiet``: show worker 0's output as it is and keep the others' for a failure
+    report (as ``pskv train`` does). ``peak_rss_mb`` receives each process's peak memory by name.
     """
     role_env = {r: dict((role_extra or {}).get(r, {})) for r in ROLES}
     spec = JobSpec(num_workers, num_servers, list(command), dict(extra_env or {}), role_env, timeout=timeout)

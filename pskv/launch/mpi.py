@@ -8,17 +8,9 @@ The scheduler runs here. One MPMD command starts the rest, servers first::
       : -np W -x DMLC_ROLE=worker -x ... \\
         python3 -m pskv.launch.guard --rank-from ... --rank-offset S --prefix 'worker {rank}' -- COMMAND
 
-MPI numbers the processes through the contexts in order, so the guard turns the world rank into
-``DMLC_SERVER_ID`` / ``DMLC_WORKER_ID``; it also prefixes every line (mpirun merges everyone's
-output). With ``-H`` the launcher places each process itself, round robin over the hostfile as
-the ssh launcher does (:func:`~pskv.launch.hosts.place`; ``slots=N`` is a weight), more
-processes than slots included. Open MPI (``-x NAME=VALUE``) gets one context per run of
-consecutive processes on one host: ``mpirun --oversubscribe -np 1 --host a ... : -np 1 --host b
-... : ...``. MPICH's hydra (``mpirun --version`` says HYDRA; ``-env NAME VALUE``) gets the two
-contexts and ``-f`` a hostfile that lists the hosts in rank order (``a:1``, ``b:1``, ...):
-hydra starts rank r on its r-th entry. Without ``-H`` mpirun decides (this machine, or the
-resource manager's allocation). When a process fails, mpirun stops the others and exits with
-its status; the launcher then stops the scheduler.
+With ``-H`` the launcher places the processes as the ssh launcher does: Open MPI gets one context
+per run of processes on one host (``-np 1 --host a ... : ...``), MPICH's hydra a hostfile
+(``-f``) of every process's host in rank order (docs/launchers/mpi.md).
 """
 
 from __future__ import annotations
@@ -29,23 +21,18 @@ import tempfile
 from typing import Optional
 
 from ..errors import LaunchError
-from .guard import guard_argv
-from .hosts import place, scheduler_address
 from .job import Backend, Planned, require_tool, run_quiet
-from .spec import JobSpec
+from .spec import JobSpec, place, scheduler_address
 
-RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+RANK_VARS = "OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK"
 
 
 def mpi_flavor(mpirun: str) -> str:
-    """``"openmpi"`` or ``"mpich"`` (hydra: MPICH, Intel MPI, MVAPICH), from ``mpirun --version``."""
+    """``"mpich"`` for a hydra (MPICH, Intel MPI, MVAPICH) as ``mpirun --version`` says, else ``"openmpi"``."""
     res = run_quiet([mpirun, "--version"], timeout=60)
-    text = res.stdout + res.stderr
-    if "Open MPI" in text or "OpenRTE" in text:
-        return "openmpi"
-    if "HYDRA" in text.upper() or "MPICH" in text.upper() or "Intel(R) MPI" in text:
-        return "mpich"
-    return "openmpi"
+    text = (res.stdout + res.stderr).upper()
+    hydra = any(name in text for name in ("HYDRA", "MPICH", "INTEL(R) MPI"))
+    return "mpich" if hydra and "OPEN MPI" not in text and "OPENRTE" not in text else "openmpi"
 
 
 class Mpi(Backend):
@@ -61,8 +48,8 @@ class Mpi(Backend):
         self.hostfile: Optional[str] = None
 
     def runs(self, role: str) -> list[tuple[Optional[str], int]]:
-        """The role's processes in rank order as (host, count) runs of consecutive processes on
-        one host: the placement, or one run without a host when mpirun decides."""
+        """The role's processes in rank order, as (host, count) runs of consecutive processes on
+        one host; one run without a host when mpirun places them."""
         n = self.spec.count(role)
         if not self.spec.hosts:
             return [(None, n)]
@@ -92,11 +79,11 @@ class Mpi(Backend):
         for role in spec.roles():
             env = spec.process_env(role, self.address, port).items()
             env_args = [a for k, v in env for a in (["-env", k, v] if mpich else ["-x", f"{k}={v}"])]
-            guard = guard_argv(spec.python, rank_from=RANK_VARS, rank_offset=offset, prefix=f"{role} {{rank}}")
+            rank = ["--rank-from", RANK_VARS, *(["--rank-offset", str(offset)] if offset else [])]
+            guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}")
             for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
                 where = ["--host", host] if host else []
-                count = ["-n", str(n)] if mpich else ["-np", str(n)]
-                contexts.append([*count, *where, *env_args, *guard, "--", *spec.argv(role)])
+                contexts.append(["-n" if mpich else "-np", str(n), *where, *env_args, *guarded])
             offset += spec.count(role)
         for i, context in enumerate(contexts):
             argv += [":", *context] if i else context
@@ -119,5 +106,4 @@ class Mpi(Backend):
             os.unlink(self.hostfile)
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Mpi(spec)
+backend = Mpi

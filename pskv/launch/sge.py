@@ -1,17 +1,13 @@
 """``pskv launch --launcher sge``: servers and workers as two Grid Engine array jobs.
 
 The scheduler runs here. Each role is one array job, submitted from the working directory (which
-the execution hosts share, as usual with Grid Engine), in a new ``.pskv-sge-*`` directory DIR::
+the execution hosts share), in a new ``.pskv-sge-*`` directory DIR::
 
     qsub -terse -cwd -V -S /bin/sh -N NAME-worker -t 1-W -j y -o DIR [--launcher-args] DIR/worker.sh
 
-``worker.sh`` exports the job's variables (``qsub -v`` would split values at commas) and ends
-with ``exec python3 -m pskv.launch.guard --rank-from SGE_TASK_ID --rank-offset 1 --prefix
-'worker {rank}' --status-dir DIR -- COMMAND``. The launcher follows the tasks' output files and
-the status file each guard writes: the first task to fail, end without a status (deleted,
-killed by a limit) or sit in an error state stops the job (``qdel`` of both arrays; the guard is
-the job script's process, so Grid Engine's kill of its process group reaches all of COMMAND).
-Array jobs need nothing beyond ``qsub``; a parallel environment would need ``qrsh -inherit``.
+``worker.sh`` exports the job's variables and ends with ``exec python3 -m pskv.launch.guard
+--rank-from SGE_TASK_ID --rank-offset 1 --prefix 'worker {rank}' --status-dir DIR -- COMMAND``;
+the launcher follows the tasks' output and status files (docs/launchers/sge.md).
 """
 
 from __future__ import annotations
@@ -22,15 +18,11 @@ import os
 import shlex
 import shutil
 import time
-from collections.abc import Mapping
 from typing import Optional
 
 from ..errors import LaunchError
-from .guard import guard_argv
-from .hosts import scheduler_address
-from .job import Backend, Spool, require_tool, run_quiet
-from .process import ProcessContext, Watched
-from .spec import JobSpec, export_lines
+from .job import Backend, ProcessContext, Spool, require_tool, run_quiet
+from .spec import JobSpec, export_lines, scheduler_address
 
 #: how long the scheduler here waits for queued tasks to register, unless PSKV_START_TIMEOUT says
 QUEUE_START_TIMEOUT = "3600"
@@ -41,72 +33,29 @@ STATUS_GRACE = 10.0
 class Task:
     """One array task, watched through the status file its guard writes."""
 
-    def __init__(self, role: str, rank: int, spool: Spool, jobs: Jobs):
-        self.role, self.rank, self.spool, self.jobs = role, rank, spool, jobs
+    def __init__(self, sge: Sge, role: str, rank: int):
+        self.sge, self.role, self.rank = sge, role, rank
         self.name = f"{role} {rank}"
-        self._code: Optional[int] = None
+        self.code: Optional[int] = None
 
     @property
     def returncode(self) -> Optional[int]:
-        if self._code is None:
-            with contextlib.suppress(OSError, ValueError), open(self.spool.path(f"{self.role}.{self.rank}.status")) as f:
-                self._code = int(f.read().strip())
-        lost = self.jobs.lost(self.role) if self._code is None else ""
+        if self.code is None:
+            with contextlib.suppress(OSError, ValueError), open(self.sge.spool.path(f"{self.role}.{self.rank}.status")) as f:
+                self.code = int(f.read())
+        lost = self.sge.lost(self.role) if self.code is None else ""
         if lost:
             self.name = f"{self.role} {self.rank} ({lost})"
-            self._code = 137
-        return self._code
+            self.code = 137
+        return self.code
 
     @property
     def tail(self) -> list[str]:
         lines: list[str] = []
-        for path in glob.glob(self.spool.path(f"*.o{self.jobs.ids.get(self.role, '')}.{self.rank + 1}")):
+        for path in glob.glob(self.sge.spool.path(f"*.o{self.sge.ids.get(self.role, '')}.{self.rank + 1}")):
             with open(path, errors="replace") as f:
                 lines += [line.rstrip("\n") for line in f if line.strip()]
         return lines[-20:]
-
-
-class Jobs:
-    """Our array jobs as ``qstat`` lists them (asked at most every 2 s): still there, in an error state."""
-
-    def __init__(self, environ: Mapping[str, str]):
-        self.qstat, self.environ = shutil.which("qstat") or "qstat", environ
-        self.ids: dict[str, str] = {}  # role -> job id
-        self._gone_since: dict[str, float] = {}
-        self._error: dict[str, str] = {}
-        self._next_poll = 0.0
-
-    def listed(self) -> Optional[dict[str, str]]:
-        """Job id -> the states of its tasks (None if ``qstat`` failed)."""
-        res = run_quiet([self.qstat], timeout=60, env=self.environ)
-        states: dict[str, str] = {}
-        for fields in (line.split() for line in res.stdout.splitlines()[2:]):
-            if len(fields) >= 5:
-                states[fields[0]] = states.get(fields[0], "") + fields[4]
-        return states if res.returncode == 0 else None
-
-    def _poll(self) -> None:
-        listed = self.listed()
-        if listed is None:
-            return
-        for role, job in self.ids.items():
-            if job not in listed:
-                self._gone_since.setdefault(role, time.monotonic())
-                continue
-            self._gone_since.pop(role, None)
-            if "E" in listed[job]:
-                self._error[role] = f"Grid Engine job {job} is in an error state; `qstat -j {job}` says why"
-
-    def lost(self, role: str) -> str:
-        """Why the tasks of ``role`` without a status will never have one ('' while they may)."""
-        if time.monotonic() >= self._next_poll:
-            self._next_poll = time.monotonic() + 2.0
-            with contextlib.suppress(LaunchError):
-                self._poll()
-        since = self._gone_since.get(role)
-        if role not in self._error and since is not None and time.monotonic() - since > STATUS_GRACE:
-            return f"Grid Engine job {self.ids[role]} ended without its status: deleted, or killed by a limit"
-        return self._error.get(role, "")
 
 
 class Sge(Backend):
@@ -117,8 +66,11 @@ class Sge(Backend):
         if not spec.environ.get("PSKV_START_TIMEOUT"):
             self.scheduler_env = {"PSKV_START_TIMEOUT": QUEUE_START_TIMEOUT}
         self.spool = Spool(".pskv-sge-", "*.o*")
-        self.jobs = Jobs(spec.environ)
         self.title = f"pskv launch --launcher sge: {spec.num_servers} server(s), {spec.num_workers} worker(s)"
+        self.ids: dict[str, str] = {}  # role -> its array job's id
+        self.gone_since: dict[str, float] = {}  # role -> when qstat stopped listing its job
+        self.errors: dict[str, str] = {}  # role -> why its job is in an error state
+        self.next_poll = 0.0
 
     def submissions(self, port: Optional[int]) -> dict[str, list[str]]:
         """Write each role's job script; the ``qsub`` command of each."""
@@ -127,11 +79,12 @@ class Sge(Backend):
         out = {}
         for role in spec.roles():
             path = self.spool.path(f"{role}.sh")
-            guard = guard_argv(spec.python, rank_from=["SGE_TASK_ID"], rank_offset=1, prefix=f"{role} {{rank}}", status_dir=self.spool.dir)
+            rank = ["--rank-from", "SGE_TASK_ID", "--rank-offset", "1"]
+            guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}", "--status-dir", self.spool.dir)
             with open(path, "w") as f:
                 f.write(f"#!/bin/sh\n# pskv launch --launcher sge: the {role}s of job {spec.name} (task i is {role} i-1)\n")
                 f.write(export_lines(spec.process_env(role, self.address, port)))
-                f.write(f"exec {shlex.join([*guard, '--', *spec.argv(role)])}\n")
+                f.write(f"exec {shlex.join(guarded)}\n")
             os.chmod(path, 0o755)
             qsub = [self.qsub, "-terse", "-cwd", "-V", "-S", "/bin/sh", "-N", f"{spec.name}-{role}", "-t", f"1-{spec.count(role)}"]
             out[role] = [*qsub, "-j", "y", "-o", self.spool.dir, *spec.launcher_args, path]
@@ -144,28 +97,62 @@ class Sge(Backend):
                 text += f"# {role} script {qsub[-1]}\n{f.read()}# submit\n{shlex.join(qsub)}\n"
         return text
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         spec = self.spec
         for role, qsub in self.submissions(port).items():
-            res = run_quiet(qsub, timeout=120, env=spec.environ)
+            res = run_quiet(qsub, timeout=120)
             job = res.stdout.strip().split(".")[0]
             if res.returncode != 0 or not job.isdigit():
                 raise LaunchError(f"qsub of the {role}s failed: {(res.stderr + res.stdout).strip()}")
-            self.jobs.ids[role] = job
-        jobs = [f"{self.jobs.ids[r]} ({spec.count(r)} {r}{'s' if spec.count(r) > 1 else ''})" for r in spec.roles()]
+            self.ids[role] = job
+        jobs = [f"{self.ids[r]} ({spec.count(r)} {r}{'s' if spec.count(r) > 1 else ''})" for r in spec.roles()]
         ctx.report("submitted Grid Engine job(s) " + ", ".join(jobs))
         self.spool.start()
-        tasks: dict[str, list[Watched]] = {r: [Task(r, i, self.spool, self.jobs) for i in range(spec.count(r))] for r in spec.roles()}
-        return tasks.get("worker", []), tasks.get("server", [])
+        for role in spec.roles():
+            for rank in range(spec.count(role)):
+                ctx.watch(Task(self, role, rank), main=role == "worker")
+
+    def listed(self) -> Optional[dict[str, str]]:
+        """Job id -> the states of its tasks, as ``qstat`` lists them (None if it failed)."""
+        res = run_quiet([shutil.which("qstat") or "qstat"], timeout=60)
+        states: dict[str, str] = {}
+        for fields in (line.split() for line in res.stdout.splitlines()[2:]):
+            if len(fields) >= 5:
+                states[fields[0]] = states.get(fields[0], "") + fields[4]
+        return states if res.returncode == 0 else None
+
+    def lost(self, role: str) -> str:
+        """Why the tasks of ``role`` without a status will never have one ('' while they may);
+        ``qstat`` is asked at most every 2 s."""
+        if time.monotonic() >= self.next_poll:
+            self.next_poll = time.monotonic() + 2.0
+            with contextlib.suppress(LaunchError):
+                self._poll()
+        since = self.gone_since.get(role)
+        if role not in self.errors and since is not None and time.monotonic() - since > STATUS_GRACE:
+            return f"Grid Engine job {self.ids[role]} ended without its status: deleted, or killed by a limit"
+        return self.errors.get(role, "")
+
+    def _poll(self) -> None:
+        listed = self.listed()
+        if listed is None:
+            return
+        for role, job in self.ids.items():
+            if job not in listed:
+                self.gone_since.setdefault(role, time.monotonic())
+                continue
+            self.gone_since.pop(role, None)
+            if "E" in listed[job]:
+                self.errors[role] = f"Grid Engine job {job} is in an error state; `qstat -j {job}` says why"
 
     def cancel(self, ctx: ProcessContext) -> None:
-        ids = list(self.jobs.ids.values())
+        ids = list(self.ids.values())
         if not ids:
             return
-        run_quiet([shutil.which("qdel") or "qdel", *ids], timeout=60, env=self.spec.environ)
+        run_quiet([shutil.which("qdel") or "qdel", *ids], timeout=60)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # until the execution hosts have stopped the tasks
-            listed = self.jobs.listed()
+            listed = self.listed()
             if listed is None or not set(listed) & set(ids):
                 break
             time.sleep(0.5)
@@ -175,5 +162,4 @@ class Sge(Backend):
         self.spool.close(status, "the job scripts and the tasks' output")
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Sge(spec)
+backend = Sge

@@ -1,27 +1,21 @@
 """``pskv launch --launcher slurm``: inside an allocation with ``srun``, or submitted with ``sbatch``.
 
-Inside an allocation (``SLURM_JOB_ID`` is set: ``salloc ... pskv launch``, or a batch script):
-the scheduler runs here, then one job step per role, at the same time::
+Inside an allocation (``SLURM_JOB_ID`` is set) the scheduler runs here, then one job step per
+role, at the same time, with the job's ``DMLC_*`` variables in srun's environment::
 
     srun --overlap --ntasks=S --kill-on-bad-exit=1 --job-name=NAME-server --export=ALL \\
         python3 -m pskv.launch.guard --rank-from SLURM_PROCID --prefix 'server {rank}' -- python3 -m pskv serve
     srun --overlap --ntasks=W ... --prefix 'worker {rank}' -- COMMAND
 
-with the job's ``DMLC_*`` variables in srun's environment (``--export=ALL`` carries them, with
-no trouble over commas in values). ``--overlap`` lets the two steps share the allocation's CPUs
-(without it the second step waits for the first to end). A failing task ends its step
-(``--kill-on-bad-exit``); the launcher then stops the other step and the scheduler.
-
-Outside an allocation it writes a batch script that runs this same launcher inside the job, and
-submits it with ``sbatch --wait`` (``--ntasks`` = servers + workers; ``-H`` asks for those
-nodes), streaming the job's output file while it runs; Ctrl-C or a failure ``scancel``s it.
+Outside one it writes a batch script that runs this same launcher inside the job, submits it
+with ``sbatch --wait --parsable`` and follows the job's output file; Ctrl-C or a failure
+``scancel``s it (docs/launchers/slurm.md).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import shlex
 import shutil
 import time
@@ -29,17 +23,14 @@ from collections.abc import Mapping
 from typing import Optional
 
 from ..errors import LaunchError
-from .guard import guard_argv
-from .hosts import scheduler_address
-from .job import Backend, Planned, Spool, require_tool, run_quiet
-from .process import ProcessContext, Watched
-from .spec import JobSpec
+from .job import Backend, Planned, ProcessContext, Spool, require_tool, run_quiet
+from .spec import JobSpec, scheduler_address
 
 
 def allocation_nodes(environ: Mapping[str, str]) -> list[str]:
-    """The allocation's node names (``SLURM_JOB_NODELIST`` expanded by ``scontrol``)."""
+    """The allocation's node names (``SLURM_JOB_NODELIST``, expanded by ``scontrol``)."""
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or ""
-    if not re.search(r"[\[\]]", nodelist):
+    if "[" not in nodelist:
         return [n for n in nodelist.split(",") if n]
     scontrol = shutil.which("scontrol")
     if scontrol:
@@ -66,9 +57,9 @@ class Srun(Backend):
         out = []
         for role in spec.roles():
             argv = [self.srun, "--overlap", f"--ntasks={spec.count(role)}", "--kill-on-bad-exit=1", f"--job-name={spec.name}-{role}"]
-            argv += ["--export=ALL", *spec.launcher_args, *guard_argv(spec.python, rank_from=["SLURM_PROCID"], prefix=f"{role} {{rank}}")]
+            argv += ["--export=ALL", *spec.launcher_args, *spec.guarded(role, "--rank-from", "SLURM_PROCID", "--prefix", f"{role} {{rank}}")]
             env = spec.process_env(role, self.address, port)
-            out.append(Planned(f"srun {role}s", [*argv, "--", *spec.argv(role)], env, main=role == "worker", show="raw"))
+            out.append(Planned(f"srun {role}s", argv, env, main=role == "worker", show="raw"))
         return out
 
 
@@ -106,11 +97,10 @@ class Sbatch(Backend):
         return "\n".join(lines) + "\n"
 
     def plan(self, port: Optional[int]) -> str:
-        with open(self.script) as f:
-            return f"{f.read()}# submit\n{shlex.join(self.argv)}"
+        return f"{self.batch_script()}# submit\n{shlex.join(self.argv)}"
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
-        proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail")
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
+        proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail", main=True)
         self.spool.start()
         deadline = time.monotonic() + 60
         while not self.job_id and proc.returncode is None and time.monotonic() < deadline:
@@ -118,13 +108,13 @@ class Sbatch(Backend):
             self.job_id = next((i for i in ids if i.isdigit()), "")
             time.sleep(0.05)
         if self.job_id:
-            ctx.report(f"submitted Slurm job {self.job_id} ({self.spec.num_servers} server(s), {self.spec.num_workers} worker(s)); its output follows")
-        return [proc], []
+            jobs = f"{self.spec.num_servers} server(s), {self.spec.num_workers} worker(s)"
+            ctx.report(f"submitted Slurm job {self.job_id} ({jobs}); its output follows")
 
     def cancel(self, ctx: ProcessContext) -> None:
         scancel = shutil.which("scancel")
         if scancel is not None:
-            run_quiet([scancel, self.job_id or f"--name={self.spec.name}"], timeout=60, env=self.spec.environ)
+            run_quiet([scancel, self.job_id or f"--name={self.spec.name}"], timeout=60)
             ctx.report(f"cancelled Slurm job {self.job_id or self.spec.name}")
 
     def close(self, status: Optional[int]) -> None:

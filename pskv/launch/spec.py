@@ -1,17 +1,12 @@
-"""The job: what ``pskv launch`` was asked to run (:class:`JobSpec`), and the environment of each
-of its processes (:meth:`JobSpec.process_env`, the one builder of that environment).
-
-The contract is SPEC.md section 8: every process gets ``DMLC_ROLE``, ``DMLC_PS_ROOT_URI``,
-``DMLC_PS_ROOT_PORT``, ``DMLC_NUM_WORKER``, ``DMLC_NUM_SERVER``, and servers and workers a stable
-``DMLC_SERVER_ID`` / ``DMLC_WORKER_ID``; workers also get the variables ``torchrun`` sets. A
-process on another host gets exactly the variables built here (never the launcher's whole
-environment, which belongs to this machine): those, ``PYTHONUNBUFFERED=1``, the launcher's
-``PSKV_*`` settings and ``DMLC_INTERFACE``, then ``--env`` for every process and
-``--env-server`` / ``--env-worker`` for one role.
+"""The job: what ``pskv launch`` was asked to run (:class:`JobSpec`), the environment of each of its
+processes (:meth:`JobSpec.process_env`, the one builder of the contract of SPEC.md section 8 that
+docs/launchers/README.md lists), and the hosts: hostfiles, placement, the scheduler's address.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import re
 import secrets
@@ -23,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ..errors import LaunchError
-from .hosts import Host
 
 ROLES = ("server", "worker")
 DEFAULT_PORT = 9091
@@ -33,6 +27,114 @@ FORWARDED = ("PSKV_", "DMLC_INTERFACE")
 NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH")
 SERVE = [sys.executable, "-m", "pskv", "serve"]
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One line of a hostfile: ``host``, ``user@host``, ``host:port``, ``host slots=N``."""
+
+    name: str
+    port: Optional[int] = None
+    slots: int = 1
+
+    def __str__(self) -> str:
+        return self.name if self.port is None else f"{self.name}:{self.port}"
+
+
+def parse_hostfile(text: str, source: str = "hostfile") -> list[Host]:
+    """The hosts of a hostfile, in order (a host listed twice counts once, with the slots added):
+    lines ``host``, ``host:port``, ``[ipv6]:port``, each optionally followed by ``slots=N``
+    (Open MPI's ``max_slots=N`` is ignored); ``#`` starts a comment."""
+    hosts: dict[tuple[str, Optional[int]], Host] = {}
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{source} line {lineno}"
+        first, *rest = line.split()
+        slots = 1
+        for item in rest:
+            opt, sep, value = item.partition("=")
+            if opt not in ("slots", "max_slots", "max-slots") or not sep:
+                raise LaunchError(f"{where}: unexpected {item!r} (expected 'host', 'host:port' or 'host slots=N')")
+            if not value.isdigit():
+                raise LaunchError(f"{where}: {item!r}: slots must be a whole number")
+            if int(value) < 1:
+                raise LaunchError(f"{where}: {item!r}: slots must be at least 1")
+            if opt == "slots":
+                slots = int(value)
+        name, port = _split_host_port(first, where)
+        if (name, port) in hosts:
+            slots += hosts[name, port].slots
+        hosts[name, port] = Host(name, port, slots)
+    if not hosts:
+        raise LaunchError(f"{source} lists no host")
+    return list(hosts.values())
+
+
+def _split_host_port(text: str, where: str) -> tuple[str, Optional[int]]:
+    if text.startswith("["):  # [ipv6] or [ipv6]:port
+        name, close, rest = text[1:].partition("]")
+        if not close or rest[:1] not in ("", ":"):
+            raise LaunchError(f"{where}: {text!r}: expected [address] or [address]:port")
+        if not rest:
+            return name, None
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        name, port_text = text.split(":")
+    else:
+        return text, None  # a plain name, or a bare IPv6 address
+    if not name:
+        raise LaunchError(f"{where}: {text!r}: no host name")
+    if not port_text.isdigit():
+        raise LaunchError(f"{where}: {text!r}: the port must be a number")
+    if not 0 < int(port_text) < 65536:
+        raise LaunchError(f"{where}: {text!r}: port out of range")
+    return name, int(port_text)
+
+
+def read_hostfile(path: str) -> list[Host]:
+    try:
+        with open(path) as f:
+            return parse_hostfile(f.read(), path)
+    except OSError as exc:
+        raise LaunchError(f"cannot read the hostfile {path}: {exc.strerror or exc}") from None
+
+
+def place(count: int, hosts: Sequence[Host]) -> list[Host]:
+    """The host of each of ``count`` processes: round robin over every host once per slot,
+    interleaved (a:2, b:1 -> a, b, a, a, b, ...)."""
+    order = [h for k in range(max((h.slots for h in hosts), default=0)) for h in hosts if h.slots > k]
+    if not order:
+        raise LaunchError("no host to place processes on")
+    return [order[i % len(order)] for i in range(count)]
+
+
+def scheduler_address(environ: Mapping[str, str], towards: Sequence[str] = ()) -> str:
+    """The address the scheduler (here) binds and every process connects to: ``DMLC_NODE_HOST``,
+    else the address of ``DMLC_INTERFACE``, else the route's to the first of ``towards`` (the
+    job's hosts) that is not a loopback address (127.0.0.1 when all are)."""
+    from ..ps.node import interface_address, route_address
+
+    node_host = environ.get("DMLC_NODE_HOST", "").strip()
+    if node_host:
+        return node_host
+    interface = environ.get("DMLC_INTERFACE", "").strip()
+    if interface:
+        try:
+            return interface_address(interface)
+        except Exception as exc:
+            raise LaunchError(str(exc)) from None
+    resolved = []
+    for host in towards:
+        with contextlib.suppress(OSError, UnicodeError):
+            resolved.append(socket.gethostbyname(host))
+    remote = [ip for ip in resolved if not ipaddress.ip_address(ip).is_loopback]
+    if remote:
+        return route_address(remote[0])
+    if resolved:
+        return "127.0.0.1"
+    return route_address("192.0.2.1")  # no packet is sent; the default route's source address
 
 
 @dataclass
@@ -61,9 +163,8 @@ class JobSpec:
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.num_servers < 0:
-            raise LaunchError(
-                f"need at least one worker and no negative server count, got -n {self.num_workers} -s {self.num_servers}"
-            )
+            counts = f"-n {self.num_workers} -s {self.num_servers}"
+            raise LaunchError(f"need at least one worker and no negative server count, got {counts}")
         if not self.command:
             raise LaunchError("no command to run: pskv launch -n 2 -s 2 -- python train.py")
         if not self.name:
@@ -77,41 +178,30 @@ class JobSpec:
         return self.num_servers if role == "server" else self.num_workers
 
     def argv(self, role: str) -> list[str]:
-        """What a server (``pskv serve``) or a worker (the command) runs on a cluster's host.
-        A single string with spaces runs through ``/bin/sh -c``, as MXNet's launcher did."""
+        """What a server (``pskv serve``) or a worker (the command) runs on a cluster's host; a
+        single string with spaces runs through ``/bin/sh -c``, as MXNet's launcher did."""
         if role == "server":
             return [self.python, "-m", "pskv", "serve"]
         if len(self.command) == 1 and " " in self.command[0]:
             return ["/bin/sh", "-c", self.command[0]]
         return list(self.command)
 
+    def guarded(self, role: str, *options: str) -> list[str]:
+        """``python3 -m pskv.launch.guard OPTIONS -- ...``: :meth:`argv` under the guard."""
+        return [self.python, "-m", "pskv.launch.guard", *options, "--", *self.argv(role)]
+
     def process_env(
-        self,
-        role: str,
-        root_uri: str,
-        port: Optional[int],
-        rank: Optional[int] = None,
-        *,
-        base: Optional[Mapping[str, str]] = None,
-        torch: Optional[Mapping[str, str]] = None,
-        workers_here: int = 0,
-    ) -> dict[str, str]:
+        self, role: str, root_uri: str, port: Optional[int], rank: Optional[int] = None, *,
+        base: Optional[Mapping[str, str]] = None, torch: Optional[Mapping[str, str]] = None,
+    ) -> dict[str, str]:  # fmt: skip
         """The environment of one process of ``role`` (``"scheduler"``, ``"server"``, ``"worker"``).
-
-        ``base`` is what it starts from: this machine's environment for a process that runs
-        here; by default only the forwarded ``PSKV_*`` / ``DMLC_INTERFACE`` (a remote process).
-        ``rank`` sets the id, where the launcher knows it (else a guard sets it from the cluster's
-        rank variable); ``port`` None leaves ``DMLC_PS_ROOT_PORT`` out (no scheduler, ``-s 0``).
-        Workers also get ``torch`` (``LOCAL_RANK``, ``MASTER_ADDR``, ... where known) and, with
-        ``workers_here`` workers sharing this machine, ``OMP_NUM_THREADS`` = cores / that,
-        unless set. ``--env-ROLE`` comes last, so it wins. ::
-
-            env = spec.process_env("worker", "10.0.0.5", 9000, rank=2)  # DMLC_WORKER_ID=2, RANK=2, ...
-            env = spec.process_env("server", address, port, base=os.environ)  # a server started here
-        """
-        env = forwarded_env(self.environ) if base is None else dict(base)
-        env.update(self.env)
-        env.update(DMLC_ROLE=role, DMLC_PS_ROOT_URI=root_uri, PYTHONUNBUFFERED="1")
+        It starts from ``base`` (this machine's environment, for a process started here), by
+        default from the launcher's forwarded ``PSKV_*`` and ``DMLC_INTERFACE``. ``rank`` sets the
+        id where the launcher knows it; ``port`` None (no scheduler) leaves ``DMLC_PS_ROOT_PORT``
+        out. Workers also get ``torch`` (``LOCAL_RANK``, ...). ``--env-ROLE`` comes last, so it wins."""
+        if base is None:
+            base = {k: v for k, v in self.environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}
+        env = {**base, **self.env, "DMLC_ROLE": role, "DMLC_PS_ROOT_URI": root_uri, "PYTHONUNBUFFERED": "1"}
         env.update(DMLC_NUM_WORKER=str(self.num_workers), DMLC_NUM_SERVER=str(self.num_servers))
         if port is not None:
             env["DMLC_PS_ROOT_PORT"] = str(port)
@@ -121,22 +211,15 @@ class JobSpec:
             if rank is not None:
                 env.update(RANK=str(rank), WORLD_SIZE=str(self.num_workers))
             env.update(torch or {})
-            if workers_here:
-                env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers_here)))
         env.update(self.role_env.get(role, {}))
         return env
 
 
-def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's own variables that every process of the job gets: ``PSKV_*`` settings
-    and ``DMLC_INTERFACE`` (an interface name is usually the same on every host)."""
-    return {k: v for k, v in environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for ``MASTER_PORT`` only; pskv's own ports never guess)."""
+def free_port() -> int:
+    """A port of 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` only; pskv's own
+    ports are never guessed)."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
 

@@ -1,17 +1,11 @@
 """``pskv launch --launcher ssh``: servers and workers on the hosts of a hostfile, over OpenSSH.
 
-Before anything starts, every host must answer ``ssh HOST true``, ``--sync-dst-dir DIR`` copies
-the working directory there (``rsync -a --mkpath -e SSH ./ HOST:DIR/``, once per machine as
-``ssh -G`` resolves the names), and ``--python`` must import pskv there. The scheduler runs
-here (:func:`~pskv.launch.hosts.scheduler_address`); servers and workers are placed round robin
-over the hosts (:func:`~pskv.launch.hosts.place`), each one ssh client here running::
+After ``ssh HOST true`` on every host (and ``rsync -a --mkpath -e SSH ./ HOST:DIR/`` for
+``--sync-dst-dir DIR``), each server and worker is one ssh client here, its output prefixed
+``[worker 2@HOST] ``, its stdin a pipe that closes when the job stops (docs/launchers/ssh.md)::
 
-    ssh -o BatchMode=yes -o ConnectTimeout=10 -T HOST 'cd DIR && exec env DMLC_ROLE=worker ... \
+    ssh -o BatchMode=yes -o ConnectTimeout=10 -T HOST 'cd DIR && exec env DMLC_ROLE=worker ... \\
         python3 -m pskv.launch.guard --watch-stdin --workers-here N --grace 3 -- COMMAND'
-
-whose output comes back prefixed ``[worker 2@HOST] ``. Its stdin is a pipe the launcher never
-writes: when the job stops or the launcher dies, the pipe closes and the remote guard stops its
-command, so nothing is left running on any host.
 """
 
 from __future__ import annotations
@@ -19,30 +13,26 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import subprocess
-import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional
 
 from ..errors import LaunchError
-from .guard import guard_argv
-from .hosts import Host, place, scheduler_address
-from .job import Backend, Planned, last_lines
-from .spec import JobSpec, free_port, shell_command
+from .job import Backend, Planned, run_quiet
+from .spec import Host, JobSpec, free_port, place, scheduler_address, shell_command
 
-#: options added to every ssh command: never prompt, give up on a dead host quickly, no tty
+#: added to every ssh command: never prompt, give up on a dead host quickly, no tty
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-T")
 #: seconds a remote guard waits between SIGTERM and SIGKILL (less than the launcher's grace)
-REMOTE_GRACE = 3.0
-#: ssh clients started to one host at a time, and the pause between such waves: sshd drops
+REMOTE_GRACE = "3"
+#: clients started to one machine at a time, and the pause between such waves: sshd drops
 #: connections beyond MaxStartups (default 10) that are still authenticating
 STARTUP_WAVE = 8
 STARTUP_PAUSE = 0.5
 
 
 class Destination(NamedTuple):
-    """Where a host name leads, as ``ssh -G`` resolves it: equal destinations are one machine
-    and account (synced once, sharing cores)."""
+    """Where a host name leads, as ``ssh -G`` resolves it: equal ones are one machine and account."""
 
     hostname: str
     port: str
@@ -57,17 +47,17 @@ def ssh_argv(spec: JobSpec, host: Host, *remote: str) -> list[str]:
 
 
 def destinations(spec: JobSpec, hosts: Sequence[Host]) -> dict[Host, Destination]:
-    """What each host name resolves to in the ssh configuration (``ssh -G``, nothing sent)."""
+    """What each host name resolves to in the ssh configuration (``ssh -G``: nothing is sent)."""
     out: dict[Host, Destination] = {}
     for h in hosts:
         fields: dict[str, str] = {}
         try:
-            res = subprocess.run([*ssh_argv(spec, h), "-G", h.name], capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+            res = run_quiet([*ssh_argv(spec, h), "-G", h.name], timeout=30)
             for line in res.stdout.splitlines() if res.returncode == 0 else []:
                 key, _, value = line.partition(" ")
                 fields.setdefault(key.lower(), value.strip())
-        except (OSError, subprocess.TimeoutExpired):
-            pass
+        except LaunchError:
+            pass  # no ssh here: the names are taken as they are
         user, _, name = h.name.rpartition("@")
         proxy = fields.get("proxyjump", "") + fields.get("proxycommand", "")
         out[h] = Destination(fields.get("hostname", name), fields.get("port", str(h.port or 22)), fields.get("user", user), proxy)
@@ -77,29 +67,20 @@ def destinations(spec: JobSpec, hosts: Sequence[Host]) -> dict[Host, Destination
 def on_each(hosts: Sequence[Host], argv: Callable[[Host], list[str]], failure: str, timeout: float) -> None:
     """Run ``argv(host)`` for every host at once; a :class:`LaunchError` names those where it
     fails (``failure``, then the host names), with the last lines each printed."""
-    procs: dict[Host, subprocess.Popen[str]] = {}
-    try:
-        for h in hosts:
-            procs[h] = subprocess.Popen(argv(h), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    except OSError as exc:
-        for p in procs.values():
-            p.kill()
-            p.wait()
-        raise LaunchError(f"cannot run {argv(hosts[0])[0]}: {exc.strerror or exc}") from None
-    deadline = time.monotonic() + timeout
-    failed: dict[Host, str] = {}
-    for h, p in procs.items():
+
+    def why(h: Host) -> str:
         try:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            if p.returncode != 0:
-                failed[h] = last_lines(f"{err}\n{out}") or f"exit status {p.returncode}"
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.communicate()
-            failed[h] = f"no answer within {timeout:g} s"
+            res = run_quiet(argv(h), timeout=timeout)
+        except LaunchError as exc:
+            return str(exc)
+        lines = [line for line in f"{res.stderr}\n{res.stdout}".splitlines() if line.strip()]
+        return "" if res.returncode == 0 else " | ".join(lines[-5:]) or f"exit status {res.returncode}"
+
+    with ThreadPoolExecutor(max_workers=len(hosts)) as pool:
+        failed = {h: reason for h, reason in zip(hosts, pool.map(why, hosts)) if reason}
     if failed:
         names = ", ".join(map(str, failed))
-        raise LaunchError(f"{failure} {names}; nothing was started\n" + "\n".join(f"  {h}: {why}" for h, why in failed.items()))
+        raise LaunchError(f"{failure} {names}; nothing was started\n" + "\n".join(f"  {h}: {r}" for h, r in failed.items()))
 
 
 def rsync_argv(spec: JobSpec, host: Host, dst: str) -> list[str]:
@@ -158,7 +139,7 @@ class Ssh(Backend):
             local_rank.append(per_dest.get(self.dests[h], 0))
             per_dest[self.dests[h]] = local_rank[-1] + 1
         master = {"MASTER_ADDR": self.dests[workers[0]].hostname, "MASTER_PORT": str(free_port())}
-        started: dict[Destination, int] = {}
+        started: dict[Destination, int] = {}  # clients started to each machine so far
         out = []
         for role, hosts in (("server", place(spec.num_servers, spec.hosts)), ("worker", workers)):
             for rank, h in enumerate(hosts):
@@ -166,14 +147,13 @@ class Ssh(Backend):
                 n = per_dest[dest] if role == "worker" else 0  # workers on this machine
                 torch = {"LOCAL_RANK": str(local_rank[rank]), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
                 env = spec.process_env(role, self.address, port, rank, torch=torch)
-                guard = guard_argv(spec.python, watch_stdin=True, workers_here=n, grace=REMOTE_GRACE)
-                remote = shell_command([*guard, "--", *spec.argv(role)], env, self.cwd)
-                wave = started.get(dest, 0)  # clients started to this machine so far
+                guard = spec.guarded(role, "--watch-stdin", "--workers-here", str(n), "--grace", REMOTE_GRACE)
+                wave = started.get(dest, 0)
                 started[dest] = wave + 1
                 delay = STARTUP_PAUSE if wave and wave % STARTUP_WAVE == 0 else 0.0
+                remote = shell_command(guard, env, self.cwd)
                 out.append(Planned(f"{role} {rank}@{h}", ssh_argv(spec, h, remote), main=role == "worker", stdin="pipe", delay=delay))
         return out
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Ssh(spec)
+backend = Ssh

@@ -1,12 +1,11 @@
 """``pskv launch --launcher yarn``: a YARN service spec (Hadoop 3 "Yarnfile") for the job, written
 (``--output FILE``, ``--dry-run``) or submitted with ``yarn app -launch NAME FILE``.
 
-One process per container, in three components, none restarted (``restart_policy: NEVER``: a
-restarted node could not rejoin the job): ``scheduler`` (1 container) runs ``python3 -m pskv
+One process per container, none restarted: ``scheduler`` (1 container) runs ``python3 -m pskv
 serve`` on 0.0.0.0:``--port``; ``server`` (S) and ``worker`` (W) depend on it and run ``python3 -m
-pskv.launch.guard --rank-from PSKV_RANK -- python3 -m pskv serve`` (or ``-- COMMAND``), with
-``PSKV_RANK=${COMPONENT_ID}`` and ``DMLC_PS_ROOT_URI`` the scheduler's registry DNS name,
-``scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}`` (YARN fills in the ``${...}``).
+pskv.launch.guard --rank-from PSKV_RANK -- python3 -m pskv serve`` (or ``-- COMMAND``) with
+``PSKV_RANK=${COMPONENT_ID}`` and ``DMLC_PS_ROOT_URI=scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}``,
+the scheduler's registry DNS name (docs/launchers/yarn.md).
 """
 
 from __future__ import annotations
@@ -14,13 +13,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import sys
 import tempfile
 from typing import Any, Optional
 
-from .guard import guard_argv
-from .job import Backend, Done, require_tool, run_quiet
-from .process import ProcessContext, Watched
+from .job import Backend, ProcessContext, require_tool, run_quiet, submitted
 from .spec import JobSpec
 
 SCHEDULER_DNS = "scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}"
@@ -43,8 +39,7 @@ def yarn_service(spec: JobSpec) -> dict[str, Any]:
         components.append(component("scheduler", 1, spec.argv("server"), env, {"cpus": 1, "memory": "1024"}))
     for role in spec.roles():
         env = {**spec.process_env(role, SCHEDULER_DNS, spec.port), RANK_VAR: "${COMPONENT_ID}"}
-        argv = [*guard_argv(spec.python, rank_from=[RANK_VAR]), "--", *spec.argv(role)]
-        components.append(component(role, spec.count(role), argv, env, sized))
+        components.append(component(role, spec.count(role), spec.guarded(role, "--rank-from", RANK_VAR), env, sized))
     service: dict[str, Any] = {"name": spec.name, "version": "1.0.0", "components": components}
     if spec.timeout is not None:
         service["lifetime"] = str(int(spec.timeout))
@@ -65,13 +60,13 @@ class Yarn(Backend):
         if not self.spec.output:
             self.submit[0] = require_tool("yarn", "yarn", "pass --output FILE to write the service spec instead, or --dry-run to see it")
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         name = self.spec.name
         if self.spec.output:
             with open(self.spec.output, "w") as f:
                 f.write(self.text)
             ctx.report(f"wrote the YARN service spec to {self.spec.output}; submit it with: {shlex.join(self.submit)}")
-            return [], []
+            return
         fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".json")
         try:
             with os.fdopen(fd, "w") as f:
@@ -79,12 +74,8 @@ class Yarn(Backend):
             res = run_quiet([*self.submit[:4], path, *self.submit[5:]], timeout=600)
         finally:
             os.unlink(path)
-        sys.stdout.write(res.stdout)
-        sys.stderr.write(res.stderr)
-        if res.returncode == 0:
-            ctx.report(f"launched YARN service {name}; follow it with `yarn app -status {name}`, stop it with `yarn app -destroy {name}`")
-        return [Done("yarn app -launch", res.returncode, res.stderr.splitlines()[-10:])], []
+        success = f"launched YARN service {name}; follow it with `yarn app -status {name}`, stop it with `yarn app -destroy {name}`"
+        submitted(ctx, "yarn app -launch", res, success)
 
 
-def backend(spec: JobSpec) -> Backend:
-    return Yarn(spec)
+backend = Yarn

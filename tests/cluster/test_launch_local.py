@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -75,6 +76,32 @@ def test_failing_worker_status_is_the_launchers_and_the_rest_stop(tmp_path: Path
         assert (
             not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
         )
+
+
+def test_timeline_files_are_merged_when_the_job_ends(tmp_path: Path) -> None:
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(4))
+    kv.push("w", torch.ones(4))
+    out = torch.empty(4)
+    kv.pull("w", out)
+    assert torch.equal(out, torch.full((4,), 2.0)), out
+    kv.close()
+    """
+    path = tmp_path / "t.json"
+    res = launch(tmp_path, script, 2, 1, env={"PSKV_TIMELINE": str(path)})
+    assert res.code == 0, res
+    assert path.exists() and not list(tmp_path.glob("t.json.*")), sorted(tmp_path.iterdir())
+    doc = json.loads(path.read_text())
+    assert isinstance(doc, dict)
+    events = doc["traceEvents"]
+    processes = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    assert {"worker 0", "worker 1", "server 0"} <= set(processes), processes
+    spans = [e for e in events if e["ph"] == "X"]
+    for w in ("worker 0", "worker 1"):
+        assert any(e["name"] == "send PUSH" and e["pid"] == processes[w] for e in spans), w
+    assert any(e["name"].startswith("PUSH from worker") and e["pid"] == processes["server 0"] for e in spans)
 
 
 def test_torch_distributed_runs_under_pskv_launch(tmp_path: Path) -> None:

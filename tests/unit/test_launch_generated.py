@@ -7,7 +7,6 @@ stand-in script on PATH answers or records what it was given; ``--dry-run`` show
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shlex
@@ -26,11 +25,16 @@ from pskv import cli
 from pskv.errors import LaunchError
 from pskv.launch import parse_env_specs
 from pskv.launch.guard import GuardError, child_env, rank_from
-from pskv.launch.hosts import Host, host_cycle, parse_hostfile, place, scheduler_address
-from pskv.launch.job import Spool
+from pskv.launch.job import ProcessContext, Spool
 from pskv.launch.kubernetes import manifests
-from pskv.launch.process import ProcessContext
-from pskv.launch.spec import JobSpec, forwarded_env, shell_command
+from pskv.launch.spec import (
+    Host,
+    JobSpec,
+    parse_hostfile,
+    place,
+    scheduler_address,
+    shell_command,
+)
 from pskv.launch.yarn import SCHEDULER_DNS, yarn_service
 
 PY = sys.executable
@@ -86,7 +90,7 @@ def test_placement_round_robin_with_slots_as_weights() -> None:
     a, b, c = Host("a"), Host("b"), Host("c")
     assert [h.name for h in place(5, [a, b, c])] == ["a", "b", "c", "a", "b"]
     heavy = [Host("a", slots=2), Host("b"), Host("c", slots=3)]
-    assert [h.name for h in host_cycle(heavy)] == ["a", "b", "c", "a", "c", "c"]
+    assert [h.name for h in place(6, heavy)] == ["a", "b", "c", "a", "c", "c"]  # one round: each host once per slot
     assert [h.name for h in place(7, heavy)] == ["a", "b", "c", "a", "c", "c", "a"]
     assert place(0, [a]) == []
     with pytest.raises(LaunchError):
@@ -139,11 +143,10 @@ def test_env_precedence_launcher_counts_win_role_options_last() -> None:
     spec = _spec(env={"DMLC_NUM_WORKER": "99", "X": "all"}, role_env={"server": {}, "worker": {"X": "worker"}})
     worker = spec.process_env("worker", "h", 1, 0, torch={"LOCAL_RANK": "0", "X": "torch"})
     assert worker["DMLC_NUM_WORKER"] == "3" and worker["X"] == "worker" and worker["LOCAL_RANK"] == "0"
-    here = spec.process_env("worker", "h", 1, 0, base={"HOME": "/h", "X": "base"}, workers_here=1)
-    assert here["HOME"] == "/h" and here["X"] == "worker" and int(here["OMP_NUM_THREADS"]) == (os.cpu_count() or 1)
-    assert "OMP_NUM_THREADS" not in spec.process_env("server", "h", 1, 0, workers_here=1)
-    assert spec.process_env("worker", "h", 1, 0, base={"OMP_NUM_THREADS": "3"}, workers_here=1)["OMP_NUM_THREADS"] == "3"
-    assert forwarded_env({"PSKV_A": "1", "PSKV_PORT_FD": "3", "OTHER": "x"}) == {"PSKV_A": "1"}
+    here = spec.process_env("worker", "h", 1, 0, base={"HOME": "/h", "X": "base"})
+    assert here["HOME"] == "/h" and here["X"] == "worker"
+    forwarded = _spec(environ={"PSKV_A": "1", "PSKV_PORT_FD": "3", "OTHER": "x"}, env={}).process_env("scheduler", "h", 1)
+    assert {k: v for k, v in forwarded.items() if not k.startswith(("DMLC_", "PYTHON"))} == {"PSKV_A": "1"}
 
 
 def test_env_specs_set_pass_or_are_rejected_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -605,12 +608,13 @@ def test_rank_mapping() -> None:
         rank_from({"SGE_TASK_ID": "0"}, ["SGE_TASK_ID"], 1)
     with pytest.raises(GuardError, match="holds no rank number"):
         rank_from({"X": "abc"}, ["X"])
-    env, rank = child_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "SLURM_PROCID": "3"}, ["SLURM_PROCID"], 0, workers_here=2, cpus=8)
-    assert rank == 3 and env["DMLC_WORKER_ID"] == env["RANK"] == "3" and env["WORLD_SIZE"] == "4" and env["OMP_NUM_THREADS"] == "4"
-    env, rank = child_env({"DMLC_ROLE": "server", "JOB_COMPLETION_INDEX": "1", "OMP_NUM_THREADS": "9"}, ["JOB_COMPLETION_INDEX"], workers_here=2)
-    assert rank == 1 and env["DMLC_SERVER_ID"] == "1" and "DMLC_WORKER_ID" not in env and env["OMP_NUM_THREADS"] == "9"
-    env, rank = child_env({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "5", "OMP_NUM_THREADS": "2"}, workers_here=3)
-    assert rank == 5 and env["OMP_NUM_THREADS"] == "2"
+    env = child_env({"DMLC_ROLE": "worker", "DMLC_NUM_WORKER": "4", "SLURM_PROCID": "3"}, ["SLURM_PROCID"], 0, workers_here=2)
+    assert env["DMLC_WORKER_ID"] == env["RANK"] == "3" and env["WORLD_SIZE"] == "4"
+    assert env["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
+    env = child_env({"DMLC_ROLE": "server", "JOB_COMPLETION_INDEX": "1", "OMP_NUM_THREADS": "9"}, ["JOB_COMPLETION_INDEX"], workers_here=2)
+    assert env["DMLC_SERVER_ID"] == "1" and "DMLC_WORKER_ID" not in env and "RANK" not in env and env["OMP_NUM_THREADS"] == "9"
+    env = child_env({"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "5", "OMP_NUM_THREADS": "2"}, workers_here=3)
+    assert env["DMLC_WORKER_ID"] == "5" and "RANK" not in env and env["OMP_NUM_THREADS"] == "2"
 
 
 def _guard(args: list[str], env: Optional[dict[str, str]] = None, new_session: bool = True) -> subprocess.Popen[str]:
@@ -748,20 +752,17 @@ def test_guard_passes_the_schedulers_port_pipe() -> None:
 # the process context's additions
 
 
-def test_stdin_pipe_is_closed_on_stop_and_on_stop_runs_once() -> None:
-    out = io.StringIO()
-    ctx = ProcessContext(stdout=out, stderr=io.StringIO(), grace=10)
+def test_stdin_pipe_is_closed_on_stop_and_on_stop_runs_once(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = ProcessContext()
     calls: list[str] = []
-    ctx.on_stop.append(lambda: calls.append("stop"))
+    ctx.on_stop = lambda: calls.append("stop")
     reader = ctx.start("worker 0", [PY, "-c", "import sys; sys.stdin.read(); print('eof seen')"], {}, stdin="pipe")
     t0 = time.monotonic()
     ctx.stop_all()
     ctx.stop_all()
     assert reader.returncode == 0 and time.monotonic() - t0 < 8  # EOF, not SIGTERM, ended it
-    assert "[worker 0] eof seen" in out.getvalue()
+    assert "[worker 0] eof seen" in capsys.readouterr().out
     assert calls == ["stop"]
-    with pytest.raises(ValueError):
-        ctx.start("x", ["true"], {}, stdin="tty")
 
 
 class _Remote:
@@ -773,33 +774,41 @@ class _Remote:
         return self._code
 
 
-def test_wait_watches_processes_that_run_elsewhere() -> None:
-    err = io.StringIO()
-    ctx = ProcessContext(stdout=io.StringIO(), stderr=err, grace=2)
+def test_wait_watches_processes_that_run_elsewhere(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = ProcessContext()
     sleeper = ctx.start("scheduler", [PY, "-c", "import time; time.sleep(60)"], {})
-    assert ctx.wait([_Remote("worker 4", 6)], [sleeper]) == 6
+    ctx.watch(_Remote("worker 4", 6), main=True)
+    assert ctx.wait() == 6
     assert sleeper.returncode is not None
-    assert "worker 4 exited with status 6" in err.getvalue() and "last words" in err.getvalue()
-    ctx = ProcessContext(stdout=io.StringIO(), stderr=io.StringIO())
-    assert ctx.wait([_Remote("worker 0", 0)], [_Remote("server 0", 0)]) == 0
+    err = capsys.readouterr().err
+    assert "worker 4 exited with status 6" in err and "last words" in err
+    ctx = ProcessContext()
+    ctx.watch(_Remote("worker 0", 0), main=True)
+    ctx.watch(_Remote("server 0", 0), main=False)
+    assert ctx.wait() == 0
 
 
-def test_spool_copies_whole_lines_of_files_that_appear_late(tmp_path: Path) -> None:
-    sink = io.StringIO()
-    spool = Spool(".spool-", "*.out", sink, directory=str(tmp_path))
+def test_spool_copies_whole_lines_of_files_that_appear_late(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    spool = Spool(".spool-", "*.out")
+    assert Path(spool.dir).parent == tmp_path
     a, b = Path(spool.path("a.out")), Path(spool.path("b.out"))
     spool.start()
     a.write_bytes(b"[worker 0] one\n[worker 0] h\xc3")  # a line, then half a line ending inside a character
     time.sleep(0.5)
-    assert sink.getvalue() == "[worker 0] one\n"
+    assert capsys.readouterr().out == "[worker 0] one\n"
     with open(a, "ab") as f:
         f.write(b"\xa9llo\n")
     b.write_bytes(b"[worker 1] last, no newline")
     (tmp_path / "not-followed.txt").write_text("x\n")
     spool.close(1, "the files")
-    assert sink.getvalue() == "[worker 0] one\n[worker 0] h\u00e9llo\n[worker 1] last, no newline\n"
+    out, err = capsys.readouterr()
+    assert out == "[worker 0] h\u00e9llo\n[worker 1] last, no newline\n"
+    assert f"the files are in {spool.dir}" in err
     assert a.exists()  # kept after a failure
-    spool = Spool(".spool-", "*.out", sink, directory=str(tmp_path))
+    spool = Spool(".spool-", "*.out")
     spool.close(0, "the files")
     assert not Path(spool.dir).exists()  # removed after success
 

@@ -3,15 +3,13 @@ job runner that drives it (run_job with a fake backend)."""
 
 from __future__ import annotations
 
-import io
 import sys
 from typing import Optional
 
 import pytest
 
 from pskv.errors import LaunchError
-from pskv.launch.job import Backend, Planned, run_job
-from pskv.launch.process import ProcessContext, Watched
+from pskv.launch.job import Backend, Planned, Proc, ProcessContext, run_job
 from pskv.launch.spec import JobSpec
 
 WRITER = """
@@ -27,27 +25,28 @@ sys.stdout.write("no newline at the end")
 """
 
 
-def test_lines_never_mix_and_are_prefixed() -> None:
-    out, err = io.StringIO(), io.StringIO()
-    ctx = ProcessContext(stdout=out, stderr=err)
-    procs = [ctx.start(f"worker {i}", [sys.executable, "-u", "-c", WRITER], {}) for i in range(3)]
-    assert ctx.wait(procs, []) == 0
-    lines = out.getvalue().splitlines()
+def test_lines_never_mix_and_are_prefixed(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = ProcessContext()
+    for i in range(3):
+        ctx.start(f"worker {i}", [sys.executable, "-u", "-c", WRITER], {}, main=True)
+    assert ctx.wait() == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
     for i in range(3):
         mine = [line for line in lines if line.startswith(f"[worker {i}] ")]
         assert [m for m in mine if "part" in m] == [f"[worker {i}] part-a part-b {n}" for n in range(5)]
         assert f"[worker {i}] no newline at the end" in mine
-    assert all(line.startswith("[worker ") for line in out.getvalue().replace("\r", "\n").splitlines())
+    assert all(line.startswith("[worker ") for line in out.replace("\r", "\n").splitlines())
 
 
-def test_first_failure_stops_the_others_and_is_reported() -> None:
-    out, err = io.StringIO(), io.StringIO()
-    ctx = ProcessContext(stdout=out, stderr=err, grace=1.0)
-    sleeper = ctx.start("worker 0", [sys.executable, "-c", "import time; time.sleep(60)"], {})
-    failer = ctx.start("worker 1", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {})
-    assert ctx.wait([sleeper, failer], []) == 7
+def test_first_failure_stops_the_others_and_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    ctx = ProcessContext()
+    sleeper = ctx.start("worker 0", [sys.executable, "-c", "import time; time.sleep(60)"], {}, main=True)
+    ctx.start("worker 1", [sys.executable, "-c", "import sys; print('bye', file=sys.stderr); sys.exit(7)"], {}, main=True)
+    assert ctx.wait() == 7
     assert sleeper.returncode is not None
-    assert "worker 1 exited with status 7" in err.getvalue() and "    bye" in err.getvalue()
+    err = capsys.readouterr().err
+    assert "worker 1 exited with status 7" in err and "    bye" in err
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,7 +62,7 @@ class FakeBackend(Backend):
         super().__init__(spec)
         self.planned, self.fail_start = planned, fail_start
         self.calls: list[str] = []
-        self.started: list[Watched] = []
+        self.started: list[Proc] = []
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         return self.planned
@@ -71,13 +70,12 @@ class FakeBackend(Backend):
     def prepare(self) -> None:
         self.calls.append("prepare")
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> tuple[list[Watched], list[Watched]]:
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         self.calls.append(f"start port={port}")
-        main, helpers = super().start(ctx, port)
-        self.started = [*main, *helpers]
+        super().start(ctx, port)
+        self.started = list(ctx.procs)
         if self.fail_start:
             raise LaunchError("the cluster said no")
-        return main, helpers
 
     def cancel(self, ctx: ProcessContext) -> None:
         self.calls.append("cancel")
@@ -121,7 +119,7 @@ def test_run_job_first_failure_cancels_stops_the_rest_and_is_the_status(capsys: 
     err = capsys.readouterr().err
     assert "worker 1 exited with status 5; stopped the other processes of the job" in err and "    giving up" in err
     assert backend.calls == ["prepare", "start port=None", "cancel", "close 5"]
-    assert [p.returncode for p in backend.started] == [-15, 5, -15]  # workers 0, 1, server 0: SIGTERM to the others
+    assert [p.returncode for p in backend.started] == [-15, -15, 5]  # server 0, workers 0, 1: SIGTERM to the others
 
 
 def test_run_job_timeout_is_124(capsys: pytest.CaptureFixture[str]) -> None:
