@@ -361,7 +361,6 @@ class DistStore(KVStore):
         keep = optimizer is self._optimizer  # the same object again: new hyperparameters, same states
         desc = {"optimizer": optimizer.describe(), "keep_states": keep}
         self._to_servers(lambda s: Message(Type.SET_OPTIMIZER, meta=desc), "set_optimizer")
-        self._optimizer = optimizer
 
     def _optimizer_state(self) -> dict[str, Any]:
         answers: list[Message] = []
@@ -391,18 +390,14 @@ class DistStore(KVStore):
             keys[kid] = {"step": parts[0][0], "tensors": {n: torch.cat([parts[i][1][n] for i in sorted(parts)]).view(shape) for n in names}}
         return {"optimizer": desc, "num_update": num_update, "keys": keys}
 
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
-        desc = state["optimizer"]
-        if self._optimizer is not None and self._optimizer.name != desc.get("name"):
-            raise errors.OptimizerError(f"the file holds {desc.get('name')!r} states but the store's optimizer is {self._optimizer.name!r}")
+    def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
         per_server: dict[int, tuple[list[dict[str, Any]], list[Any]]] = {s: ([], []) for s in range(self.num_servers)}
         by_id = {m.id: m for m in self._keys.values()}
-        opt = self._optimizer or Optimizer.from_description(desc)
         for kid, entry in state["keys"].items():
             meta = by_id.get(int(kid))
             if meta is None:
                 continue
-            opt.check_state(meta.key, entry["tensors"], torch.empty(meta.shape, device="meta"))  # here, before any server changes
+            optimizer.check_state(meta.key, entry["tensors"], torch.empty(meta.shape, device="meta"))  # here, before any server changes
             names = sorted(entry["tensors"])
             flats = {n: entry["tensors"][n].to("cpu", meta.dtype).contiguous().view(-1) for n in names}
             for p in self._parts[meta.id]:
@@ -411,12 +406,10 @@ class DistStore(KVStore):
                 frames += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
 
         def message(s: int) -> Message:
-            meta = {"optimizer": desc, "num_update": int(state["num_update"]), "parts": per_server[s][0]}
+            meta = {"optimizer": state["optimizer"], "num_update": int(state["num_update"]), "parts": per_server[s][0]}
             return Message(Type.SET_STATES, meta=meta, frames=per_server[s][1])
 
         self._to_servers(message, "load_optimizer_states")
-        if self._optimizer is None:
-            self._optimizer = Optimizer.from_description(desc)
 
     # -- the rest -------------------------------------------------------------------------------
 
