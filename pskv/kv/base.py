@@ -390,7 +390,7 @@ class KVStore(ABC):
         with self._lock:
             if self._closed:
                 raise errors.StoreClosedError(f"the {self.type!r} store was closed")
-            return self._allgather_impl(value)
+            return self._barrier_impl(value)
 
     def close(self) -> None:
         """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""
@@ -440,12 +440,10 @@ class KVStore(ABC):
     def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
         """Load ``state`` into ``optimizer`` (the store's, or a new one from the file's description)."""
 
-    def _barrier_impl(self) -> None:
-        """In-process stores have nothing to wait for."""
-
-    def _allgather_impl(self, value: Any) -> list[Any]:
-        """In-process stores have one worker."""
-        return [value]
+    def _barrier_impl(self, *value: Any) -> list[Any]:
+        """A barrier of the workers that carries ``value`` if one is given: every worker's, by rank
+        (in-process stores: nothing to wait for, one worker)."""
+        return list(value)
 
     def _close_impl(self) -> None:
         """In-process stores hold nothing that needs releasing."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,7 +78,7 @@ class DistStore(KVStore):
         self._chunk = config.chunk_bytes()
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
-        self._slots: dict[tuple[int, int], Tensor] = {}  # (key, part) -> its push slot in our shared memory
+        self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> its push slot, (fd, offset)
         # (key, part) -> the latest call that must be done before the part is pushed again: a
         # pull (its answer may be the server's value itself) or a push from our shared slot
         self._before_push: dict[tuple[int, int], Handle] = {}
@@ -133,22 +134,8 @@ class DistStore(KVStore):
         self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
 
     def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
-        self._client.check()
-        if self._async and self._optimizer is None:
-            raise errors.OptimizerRequiredError(
-                "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
-            )
-        handle = self._client.handle()
         t0 = timeline.now()
-        for meta, values in items:
-            for p, row, frames, ready in self._push_parts(meta, values, wait, int(held)):
-                # TCP: a message leaves every PSKV_BATCH_BYTES, so the server sums one while the
-                # next is on the wire. Shared memory: every stage is a pass over memory, so
-                # overlapping them only makes them compete for the memory bus and the cores.
-                nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, (handle, None, None), nbytes, ready)
-                if not frames:  # from our shared slot: not to be written again before the server merged it
-                    self._before_push[(meta.id, p.index)] = handle
+        handle = self._queue_push(items, self._client.handle(), None, wait, int(held))
         timeline.span("push (copy in, queue)", t0, keys=len(items))
         if not wait:
             self._client.flush(soon=True)
@@ -157,19 +144,41 @@ class DistStore(KVStore):
         self._client.wait_sent(self._client.flush())
         return None
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int = 0) -> list[tuple[Part, list[int], list[Any], Any]]:
+    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+        """Push rows that are answered with the value once their round is complete: a pull that
+        needs no request of its own, so it does not queue behind the rest of the pushes."""
+        handle, sinks = self._sinks(outs)
+        return self._done(self._queue_push(items, handle, sinks, wait, 0), wait)
+
+    def _queue_push(
+        self, items: list[tuple[KeyMeta, list[Tensor]]], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]], borrow: bool, held: int
+    ) -> Handle:
+        """Queue the PUSH rows of ``items`` for ``handle``; with ``sinks`` (pushpull), each row is
+        answered with the part's value, which goes to ``sinks[i](part)``."""
+        self._client.check()
+        if self._async and self._optimizer is None:
+            raise errors.OptimizerRequiredError(
+                "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
+            )
+        for i, (meta, values) in enumerate(items):
+            for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(sinks is not None)):
+                entry = (handle, None, None) if sinks is None else (handle, sinks[i](p), meta.dtype)
+                nbytes = p.numel * meta.dtype.itemsize if frames else 0
+                self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
+                if sinks is not None or not frames:  # the part's answer, or our shared slot, is in use until done
+                    self._before_push[(meta.id, p.index)] = handle
+        return handle
+
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
         """Each part of one key's push: its PUSH row, payload frames (none through shared memory)
-        and the CUDA event its bytes wait for (a GPU value is copied asynchronously to page-locked
-        memory, on a side stream ordered after the gradient's).
+        and the CUDA event its bytes wait for (a GPU value: :meth:`_push_from_gpu`).
 
         ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
         caller then waits until it is sent)."""
-        if not any(v.is_sparse for v in values) and self._compressor is None and values[0].is_cuda:
-            return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
-        out = []
-        parts = self._parts[meta.id]
-        whole = len(parts) == 1  # one part: the tensors go as they are, no flat views (each op costs)
         sparse = any(v.is_sparse for v in values)
+        if not sparse and self._compressor is None and values[0].is_cuda:
+            return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
+        whole = len(self._parts[meta.id]) == 1  # one part: the tensors go as they are, no flat views (each op costs)
         if sparse:
             merged = reduce_values(values, torch.device("cpu"))
             ids, vals = merged.indices()[0], merged.values().reshape(len(merged.indices()[0]), -1)
@@ -183,39 +192,32 @@ class DistStore(KVStore):
             flats = values if whole else [v.reshape(-1) for v in values]
             one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
-        for p in parts:
-            where = (meta.id, p.index)
-            self._wait_before_push(where)
-            round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
+        out = []
+        for p, round_ in self._rounds(meta):
+            kind, home = PushKind.DENSE, (-1, 0)  # home: the (fd, offset) of our shared-memory slot
+            frames: list[Any] = []
             if sparse:
                 r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
                 sel = (ids >= r0) & (ids < r1)
-                frames = [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held, reply], frames, None))
+                kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
             elif self._compressor is not None:
+                kind = PushKind.COMPRESSED
                 frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held, reply], frames, None))
             elif p.server in self._client.shm_servers:
-                slot = self._slots.get(where)
-                if slot is None:
-                    arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
-                    slot = arena.tensor(offset, p.numel, meta.dtype)
-                    slot = self._slots[where] = slot.view(meta.shape) if whole else slot
-                    slot.home = (arena.fd, offset)  # type: ignore[attr-defined]
+                slot, home = self._slot(meta, p, gpu=False)
                 slot.copy_(flats[0] if whole else flats[0][p.start : p.stop])
                 for f in flats[1:]:
                     slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
-                fd, offset = slot.home  # type: ignore[attr-defined]
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], [], None))
             else:
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(merged_flat[p.start : p.stop])], None))
+                frames = [tensor_frame(merged_flat[p.start : p.stop])]
+            out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, None))
         return out
 
     def _push_from_gpu(self, meta: KeyMeta, value: Tensor, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """The parts of a GPU value, copied without blocking into page-locked host memory: the
-        part's slot in our (registered) shared memory, or a pinned buffer of the store's."""
+        """The parts of a GPU value, copied without blocking into page-locked host memory, on a side
+        stream ordered after the gradient's."""
         stream = self._streams.get(value.device)
         if stream is None:
             stream = self._streams[value.device] = torch.cuda.Stream(value.device)  # type: ignore[no-untyped-call]
@@ -223,57 +225,43 @@ class DistStore(KVStore):
         value.record_stream(stream)  # its memory is not reused before the copy is done
         flat, out = value.reshape(-1), []  # type: tuple[Tensor, list[tuple[Part, list[int], list[Any], Any]]]
         with torch.cuda.stream(stream):
-            for p in self._parts[meta.id]:
-                where = (meta.id, p.index)
-                self._wait_before_push(where)
-                round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
-                host = self._host_buffer(meta, p)
+            for p, round_ in self._rounds(meta):
+                slot, home = self._slot(meta, p, gpu=True)
+                host = slot.view(-1)
                 host.copy_(flat[p.start : p.stop], non_blocking=True)
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(stream)
-                if p.server in self._client.shm_servers:
-                    fd, offset = host.home  # type: ignore[attr-defined]
-                    out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], [], ready))
-                else:
-                    out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(host)], ready))
+                frames = [] if p.server in self._client.shm_servers else [tensor_frame(host)]
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, len(frames), *home, held, reply], frames, ready))
         return out
 
-    def _host_buffer(self, meta: KeyMeta, p: Part) -> Tensor:
-        """The page-locked host memory a part of a GPU value goes through (made once)."""
+    def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
+        """Each part of the key and the round this push makes it, once the part's earlier pull (its
+        answer may be the server's value itself) or push from our shared slot is done."""
+        for p in self._parts[meta.id]:
+            where = (meta.id, p.index)
+            earlier = self._before_push.pop(where, None)
+            if earlier is not None and not earlier.done():
+                earlier.wait()  # sends what is queued first
+            self._round_sent[where] = self._round_sent.get(where, 0) + 1
+            yield p, self._round_sent[where]
+
+    def _slot(self, meta: KeyMeta, p: Part, gpu: bool) -> tuple[Tensor, tuple[int, int]]:
+        """The host memory a part is pushed from (made once) and its (fd, offset): a slot of our
+        shared memory when the server is on this host (registered with CUDA for a GPU value), else
+        a pinned buffer (GPU values). A CPU value's slot has the key's shape when it is one part."""
         where = (meta.id, p.index)
-        buf = self._slots.get(where)
-        if buf is None:
+        if where not in self._slots:
             if p.server in self._client.shm_servers:
                 arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
-                arena.pin()
-                buf = arena.tensor(offset, p.numel, meta.dtype)
-                buf.home = (arena.fd, offset)  # type: ignore[attr-defined]
+                if gpu:
+                    arena.pin()
+                slot, home = arena.tensor(offset, p.numel, meta.dtype), (arena.fd, offset)
             else:
-                buf = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True)
-            self._slots[where] = buf
-        return buf.view(-1)
-
-    def _wait_before_push(self, where: tuple[int, int]) -> None:
-        earlier = self._before_push.pop(where, None)
-        if earlier is not None and not earlier.done():
-            self._client.flush()
-            self._client.wait([earlier])
-
-    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
-        """Push rows that are answered with the value once their round is complete: a pull that
-        needs no request of its own, so it does not queue behind the rest of the pushes."""
-        self._client.check()
-        if self._async and self._optimizer is None:
-            raise errors.OptimizerRequiredError(
-                "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
-            )
-        handle, sinks = self._sinks(outs)
-        for (meta, values), sink in zip(items, sinks):
-            for p, row, frames, ready in self._push_parts(meta, values, wait, 0, reply=1):
-                nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, (handle, sink(p), meta.dtype), nbytes, ready)
-                self._before_push[(meta.id, p.index)] = handle
-        return self._done(handle, wait)
+                slot, home = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True), (-1, 0)
+            whole = not gpu and len(self._parts[meta.id]) == 1
+            self._slots[where] = (slot.view(meta.shape) if whole else slot, home)
+        return self._slots[where]
 
     def _sinks(self, items: list[tuple[KeyMeta, list[Tensor]]]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
         """A handle for pulling ``items``, and per key where each part's answer goes: straight into
@@ -416,13 +404,9 @@ class DistStore(KVStore):
     def _set_compression_impl(self, compressor: Compressor) -> None:
         self._client.push_meta = {"codec": compressor.codec.describe()}
 
-    def _barrier_impl(self) -> None:
+    def _barrier_impl(self, *value: Any) -> list[Any]:
         self._client.check()
-        self._client.barrier("worker")
-
-    def _allgather_impl(self, value: Any) -> list[Any]:
-        self._client.check()
-        return self._client.barrier("worker", value)
+        return self._client.barrier("worker", *value)
 
     def _close_impl(self) -> None:
         self._closer()
