@@ -1,17 +1,10 @@
-"""The key-value store: ``pskv.kv.create(name)`` and the types behind it.
+"""The key-value store: ``pskv.kv.create(name)`` and the types behind it (docs/SPEC.md, section 3).
 
-=================== ===================================================================
-type                what it is
-=================== ===================================================================
-``local``           in this process; sums and updates on the CPU
-``device``          in this process; sums on the first tensor's device, updates there
-``dist_sync``       parameter servers; one update per round of pushes from every worker
-``dist_device_sync`` as ``dist_sync``, with device lists summed on the device first
-``dist_async``      parameter servers; every push applied on arrival (needs an optimizer)
-=================== ===================================================================
-
-``dist`` is another name for ``dist_sync``; MXNet's ``local_update_cpu`` and
-``local_allreduce_cpu`` mean ``local`` and ``local_allreduce_device`` means ``device``.
+``local`` sums and updates on the CPU, ``device`` on the first tensor's device, both in this
+process. ``dist_sync`` keeps the keys on parameter servers and updates once per round of pushes
+from every worker; ``dist_device_sync`` sums device lists on the device first; ``dist_async``
+applies every push on arrival (it needs an optimizer). ``dist`` means ``dist_sync``; MXNet's
+``local_update_cpu`` and ``local_allreduce_cpu`` mean ``local``, ``local_allreduce_device`` ``device``.
 """
 
 from __future__ import annotations
@@ -29,15 +22,9 @@ ALIASES = {
 
 
 def create(name: str = "local") -> KVStore:
-    """Create a store of type ``name`` (see the table above).
-
-    A ``dist_*`` store joins the job described by the ``DMLC_*`` environment (as set by
-    ``pskv launch``); in a process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` it serves
-    until the job ends and then exits the process.
-
-    >>> kv = pskv.kv.create()            # "local"
-    >>> kv = pskv.kv.create("dist_sync")  # inside a job started by `pskv launch`
-    """
+    """Create a store of type ``name`` (see above). A ``dist_*`` store joins the job that the
+    ``DMLC_*`` environment describes (``pskv launch`` sets it); in a server or scheduler process it
+    serves until the job ends, then exits the process."""
     if not isinstance(name, str):
         raise KVStoreError(f"store type must be a str, got {type(name).__name__}")
     canonical = ALIASES.get(name, name)

@@ -80,10 +80,8 @@ class KVStore(ABC):
     a list of tensors (one per device), or, for a list of keys, a list of those. Every public
     method takes the store's lock, so a store may be shared by threads, one call at a time.
 
-    >>> kv = pskv.kv.create("local")
-    >>> kv.init("w", torch.ones(2, 3))
-    >>> kv.push("w", [torch.ones(2, 3), 2 * torch.ones(2, 3)])   # summed: 3
-    >>> out = torch.empty(2, 3); kv.pull("w", out)               # out is all 3
+    >>> kv.init("w", torch.ones(2, 3)); kv.push("w", [torch.ones(2, 3), 2 * torch.ones(2, 3)])
+    >>> out = torch.empty(2, 3); kv.pull("w", out)   # the list was summed: out is all 3
     """
 
     def __init__(self, type_name: str):
@@ -94,8 +92,6 @@ class KVStore(ABC):
         self._compressor: Optional[Compressor] = None
         self._closed = False
         self._lock = threading.RLock()
-
-    # -- identity -------------------------------------------------------------------------------
 
     @property
     def type(self) -> str:
@@ -114,8 +110,6 @@ class KVStore(ABC):
 
     def __repr__(self) -> str:
         return f"<pskv KVStore {self.type!r} rank {self.rank}/{self.num_workers}, {len(self._keys)} keys>"
-
-    # -- keys -------------------------------------------------------------------------------------
 
     def _check_key(self, key: object, kind: Optional[builtins.type] = None) -> Key:
         kind = kind or self._key_kind
@@ -138,8 +132,6 @@ class KVStore(ABC):
         if meta is None:
             raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
         return meta
-
-    # -- argument normalisation -----------------------------------------------------------------
 
     @staticmethod
     def _pairs(key: KeyArg, value: Any, what: str) -> list[tuple[Any, list[Tensor]]]:
@@ -194,10 +186,7 @@ class KVStore(ABC):
     @_locked
     def init(self, key: KeyArg, value: ValueArg) -> None:
         """Create ``key`` with ``value`` (a tensor; of a list of device copies the first is used).
-
-        Every worker of a job ``init``\\s the same keys in the same order. Blocks until the value
-        is stored. A second ``init`` of a key is a :class:`~pskv.errors.DuplicateInitError`.
-        """
+        Every worker inits the same keys in the same order; a second init of a key is an error."""
         kind = self._key_kind
         new: dict[Key, tuple[KeyMeta, Tensor]] = {}
         str_ids = itertools.count(sum(isinstance(k, str) for k in self._keys))  # a str key's id: its init order
@@ -295,12 +284,9 @@ class KVStore(ABC):
 
     @_locked
     def row_sparse_pull(self, key: KeyArg, out: ValueArg, row_ids: ValueArg, priority: int = 0) -> None:
-        """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``.
-
-        A sparse ``out`` ends up holding exactly those rows; a dense one holds them with every
-        other row zero. With a list of outputs, ``row_ids`` is one tensor for all or a list with
-        one per output.
-        """
+        """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``: a
+        sparse ``out`` holds exactly those rows, a dense one those and every other row zero. With a
+        list of outputs, ``row_ids`` is one tensor for all or a list with one per output."""
         pairs = self._pairs(key, out, "out")
         many = isinstance(key, (list, tuple))
         if many and (not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(pairs)):
@@ -349,11 +335,8 @@ class KVStore(ABC):
 
     @_locked
     def save_optimizer_states(self, fname: Union[str, Path], dump_optimizer: bool = False) -> None:
-        """Write every key's optimizer state (fetched from the servers for dist types) to ``fname``.
-
-        The file is independent of the number of servers. ``dump_optimizer`` is accepted for
-        MXNet compatibility: the optimizer description is always included.
-        """
+        """Write every key's optimizer state (from the servers for dist types) and the optimizer's
+        description to ``fname`` (``dump_optimizer``: MXNet's, accepted and ignored)."""
         save_states(fname, self._optimizer_state(), {m.id: m.key for m in self._keys.values()})
 
     @_locked
@@ -376,13 +359,8 @@ class KVStore(ABC):
         self._barrier_impl()
 
     def allgather(self, value: Any) -> list[Any]:
-        """Every worker's ``value``, by rank: a barrier that carries a small JSON-able value.
-
-        For metrics and other bookkeeping (never for tensors: push and pull those). Blocks until
-        every worker calls it. In-process stores return ``[value]``.
-
-        >>> losses = kv.allgather({"loss": total_loss, "samples": n})
-        """
+        """Every worker's ``value`` (small and JSON-able, e.g. metrics; tensors are pushed and
+        pulled), by rank: a barrier that carries it. In-process stores return ``[value]``."""
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as exc:
@@ -420,8 +398,7 @@ class KVStore(ABC):
         """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Any:
-        """Push ``items`` and pull into ``outs`` as one operation, where a store can (the dist
-        stores: the push is answered with the value); ``NotImplemented``: push, then pull."""
+        """Push ``items`` and pull into ``outs`` as one operation, or ``NotImplemented``: push, then pull."""
         return NotImplemented
 
     @abstractmethod
@@ -441,8 +418,7 @@ class KVStore(ABC):
         """Load ``state`` into ``optimizer`` (the store's, or a new one from the file's description)."""
 
     def _barrier_impl(self, *value: Any) -> list[Any]:
-        """A barrier of the workers that carries ``value`` if one is given: every worker's, by rank
-        (in-process stores: nothing to wait for, one worker)."""
+        """A barrier of the workers, carrying ``value`` if given: every worker's, by rank (here: one)."""
         return list(value)
 
     def _close_impl(self) -> None:

@@ -1,21 +1,8 @@
-"""``dist_sync``, ``dist_device_sync``, ``dist_async``: the store backed by parameter servers.
+"""``dist_sync``, ``dist_device_sync``, ``dist_async``: a worker's store, backed by parameter servers.
 
-The worker cuts every key into parts (:mod:`pskv.ps.partition`) and sends each server one
-message per call listing its parts (over TCP, a push goes out every ``PSKV_BATCH_BYTES``, so
-the server merges the first parts while the rest are on the wire):
-
-- ``init``: every worker declares every part, worker 0 with the value; ``init`` returns when the
-  servers hold worker 0's value, so every worker pulls the same initial weights.
-- ``push``: device lists are summed (on the CPU; on the first tensor's device for
-  ``dist_device_sync``) into this worker's shared-memory slot of the part when the server is on
-  this host, else sent as frames, without a copy when one CPU tensor is pushed (``push`` then
-  returns once the bytes are sent). With gradient compression each device value is encoded with
-  its own residual and the server sums the decoded values; row-sparse values travel as rows.
-- ``pull``: each part's answer is copied straight into ``out`` by the I/O thread; ``pull``
-  returns when every part has arrived, as of the round of this worker's latest push.
-- The optimizer runs on the servers; its description travels, never code.
-
-A process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` serves instead (see :func:`create_dist`).
+Every key is cut into parts (:mod:`pskv.ps.partition`), and a call queues a row per part for each
+server's next INIT, PUSH or PULL message; docs/DESIGN.md describes the rounds, the two data paths,
+the pipeline and the GPU path. In a server or scheduler process, :func:`create_dist` serves instead.
 """
 
 from __future__ import annotations
@@ -79,9 +66,7 @@ class DistStore(KVStore):
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> its push slot, (fd, offset)
-        # (key, part) -> the latest call that must be done before the part is pushed again: a
-        # pull (its answer may be the server's value itself) or a push from our shared slot
-        self._before_push: dict[tuple[int, int], Handle] = {}
+        self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
         self._streams: dict[torch.device, Any] = {}  # a side CUDA stream per device, for copies to the host
         self._pinned: dict[int, tuple[Tensor, Any]] = {}  # key -> page-locked buffer pulls into GPU outputs go through, its last copy
 
@@ -145,8 +130,7 @@ class DistStore(KVStore):
         return None
 
     def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
-        """Push rows that are answered with the value once their round is complete: a pull that
-        needs no request of its own, so it does not queue behind the rest of the pushes."""
+        """One request: push rows answered with the value once their round is complete (docs/DESIGN.md)."""
         handle, sinks = self._sinks(outs)
         return self._done(self._queue_push(items, handle, sinks, wait, 0), wait)
 
@@ -171,10 +155,8 @@ class DistStore(KVStore):
 
     def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
         """Each part of one key's push: its PUSH row, payload frames (none through shared memory)
-        and the CUDA event its bytes wait for (a GPU value: :meth:`_push_from_gpu`).
-
-        ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
-        caller then waits until it is sent)."""
+        and the CUDA event its bytes wait for. ``borrow``: one contiguous CPU tensor may go on the
+        wire as it is, without a copy (the caller then waits until it is sent)."""
         sparse = any(v.is_sparse for v in values)
         if not sparse and self._compressor is None and values[0].is_cuda:
             return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
