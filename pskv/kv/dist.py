@@ -65,7 +65,7 @@ class DistStore(KVStore):
         self._chunk = config.chunk_bytes()
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
-        self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> its push slot, (fd, offset)
+        self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
         self._streams: dict[torch.device, Any] = {}  # a side CUDA stream per device, for copies to the host
         self._pinned: dict[int, tuple[Tensor, Any]] = {}  # key -> page-locked buffer pulls into GPU outputs go through, its last copy
@@ -96,13 +96,11 @@ class DistStore(KVStore):
         handle.wait()
         return None
 
-    # -- init / push / pull -----------------------------------------------------------------------
-
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         self._client.check()
         batches: dict[int, tuple[list[Any], list[Any]]] = {}
         for meta, value in items:
-            row_numel = max(1, meta.row_numel) if meta.shape else 1
+            row_numel = max(1, meta.row_numel)  # 1 for a scalar
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=row_numel, chunk=chunk)
             flat = None
@@ -321,8 +319,6 @@ class DistStore(KVStore):
                 pos = torch.searchsorted(wanted, rows)
                 write_rows(out, rows, data[pos].view(len(rows), *meta.shape[1:]))
 
-    # -- optimizer ------------------------------------------------------------------------------
-
     def _to_servers(self, make: Callable[[int], Message], what: str, on_reply: Optional[Callable[[Message], None]] = None) -> None:
         self._client.check()
         self._client.wait([self._client.send(s, make(s), what, on_reply) for s in range(self.num_servers)])
@@ -336,9 +332,8 @@ class DistStore(KVStore):
         answers: list[Message] = []
         self._to_servers(lambda s: Message(Type.GET_STATES), "save_optimizer_states", answers.append)
         by_id = {m.id: m for m in self._keys.values()}
-        pieces: dict[int, dict[int, tuple[int, dict[str, Tensor]]]] = {}
-        desc = None
-        num_update = 0
+        pieces: dict[int, dict[int, tuple[int, dict[str, Tensor]]]] = {}  # key -> part -> (step, tensors)
+        desc, num_update = None, 0
         for ans in answers:
             meta = ans.meta or {}
             desc = desc or meta.get("optimizer")
@@ -353,35 +348,29 @@ class DistStore(KVStore):
             raise errors.OptimizerError("no optimizer is set on the servers; call set_optimizer first")
         keys: dict[int, dict[str, Any]] = {}
         for kid, parts in pieces.items():
-            if sorted(parts) != list(range(len(self._parts[kid]))):
-                continue  # a key no push has updated yet on some server: no state to save
-            names = sorted(parts[0][1])
-            shape = by_id[kid].shape
-            keys[kid] = {"step": parts[0][0], "tensors": {n: torch.cat([parts[i][1][n] for i in sorted(parts)]).view(shape) for n in names}}
+            if sorted(parts) == list(range(len(self._parts[kid]))):  # else some server has no state yet
+                names, shape = sorted(parts[0][1]), by_id[kid].shape
+                tensors = {n: torch.cat([parts[i][1][n] for i in sorted(parts)]).view(shape) for n in names}
+                keys[kid] = {"step": parts[0][0], "tensors": tensors}
         return {"optimizer": desc, "num_update": num_update, "keys": keys}
 
     def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
-        per_server: dict[int, tuple[list[dict[str, Any]], list[Any]]] = {s: ([], []) for s in range(self.num_servers)}
+        entries: dict[int, list[dict[str, Any]]] = {s: [] for s in range(self.num_servers)}
+        frames: dict[int, list[Any]] = {s: [] for s in range(self.num_servers)}
         by_id = {m.id: m for m in self._keys.values()}
         for kid, entry in state["keys"].items():
             meta = by_id.get(int(kid))
             if meta is None:
                 continue
             optimizer.check_state(meta.key, entry["tensors"], torch.empty(meta.shape, device="meta"))  # here, before any server changes
-            names = sorted(entry["tensors"])
+            names, step = sorted(entry["tensors"]), int(entry["step"])
             flats = {n: entry["tensors"][n].to("cpu", meta.dtype).contiguous().view(-1) for n in names}
             for p in self._parts[meta.id]:
-                entries, frames = per_server[p.server]
-                entries.append({"key": meta.id, "part": p.index, "step": int(entry["step"]), "names": names})
-                frames += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
-
-        def message(s: int) -> Message:
-            meta = {"optimizer": state["optimizer"], "num_update": int(state["num_update"]), "parts": per_server[s][0]}
-            return Message(Type.SET_STATES, meta=meta, frames=per_server[s][1])
-
-        self._to_servers(message, "load_optimizer_states")
-
-    # -- the rest -------------------------------------------------------------------------------
+                entries[p.server].append({"key": meta.id, "part": p.index, "step": step, "names": names})
+                frames[p.server] += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
+        head = {"optimizer": state["optimizer"], "num_update": int(state["num_update"])}
+        msgs = [Message(Type.SET_STATES, meta={**head, "parts": entries[s]}, frames=frames[s]) for s in entries]
+        self._to_servers(lambda s: msgs[s], "load_optimizer_states")
 
     def _set_compression_impl(self, compressor: Compressor) -> None:
         self._client.push_meta = {"codec": compressor.codec.describe()}
