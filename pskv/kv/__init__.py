@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from ..errors import KVStoreError
 from .base import KeyMeta, KVStore
+from .local import LocalStore
 
 TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
 ALIASES = {
@@ -34,8 +35,6 @@ def create(name: str = "local") -> KVStore:
         from .dist import create_dist
 
         return create_dist(canonical)
-    from .local import LocalStore
-
     return LocalStore(canonical)
 
 

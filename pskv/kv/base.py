@@ -1,8 +1,7 @@
 """The store API that every type shares: keys, argument checks, the public methods.
 
-A concrete store implements the ``_..._impl`` hooks; everything a user can get wrong is checked
-here first, before any hook runs, so a rejected call changes nothing and every key stays usable.
-"""
+Everything a user can get wrong is checked here, before a concrete store's ``_..._impl`` hooks run,
+so a rejected call changes nothing."""
 
 from __future__ import annotations
 
@@ -57,15 +56,18 @@ class KeyMeta:
         return f"key {self.key!r}"
 
 
+Group = tuple[KeyMeta, list[Tensor]]  # a validated key and its tensors (values or outputs)
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _locked(method: F) -> F:
-    """A public call: under the store's lock, on an open store."""
+    """A public call: under the store's lock and ``torch.no_grad()``, on an open store."""
 
     @functools.wraps(method)
     def call(self: KVStore, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._lock, torch.no_grad():
             if self._closed:
                 raise errors.StoreClosedError(f"the {self.type!r} store was closed")
             return method(self, *args, **kwargs)
@@ -79,9 +81,6 @@ class KVStore(ABC):
     Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device,
     a list of tensors (one per device), or, for a list of keys, a list of those. Every public
     method takes the store's lock, so a store may be shared by threads, one call at a time.
-
-    >>> kv.init("w", torch.ones(2, 3)); kv.push("w", [torch.ones(2, 3), 2 * torch.ones(2, 3)])
-    >>> out = torch.empty(2, 3); kv.pull("w", out)   # the list was summed: out is all 3
     """
 
     def __init__(self, type_name: str):
@@ -171,17 +170,15 @@ class KVStore(ABC):
         if t.dtype != meta.dtype:
             raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
-    def _grouped(self, key: KeyArg, value: Any, what: str) -> list[tuple[KeyMeta, list[Tensor]]]:
+    def _grouped(self, key: KeyArg, value: Any, what: str) -> list[Group]:
         """Validated ``(meta, tensors)`` per distinct key, in first-seen order (repeats joined)."""
-        groups: dict[int, tuple[KeyMeta, list[Tensor]]] = {}
+        groups: dict[int, Group] = {}
         for k, ts in self._pairs(key, value, what):
             meta = self._meta(k)
             for t in ts:
                 self._check_like(meta, t, what)
             groups.setdefault(meta.id, (meta, []))[1].extend(ts)
         return list(groups.values())
-
-    # -- public API -----------------------------------------------------------------------------
 
     @_locked
     def init(self, key: KeyArg, value: ValueArg) -> None:
@@ -197,40 +194,31 @@ class KVStore(ABC):
                 raise errors.DuplicateInitError(f"key {k!r} was already initialised")
             kid = k if isinstance(k, int) else next(str_ids)
             new[k] = (KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v)
-        with torch.no_grad():
-            self._init_impl(list(new.values()))
+        self._init_impl(list(new.values()))
         self._key_kind = kind
         self._keys.update((k, meta) for k, (meta, _) in new.items())
 
     @_locked
     def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False) -> Optional[Handle]:
-        """Push ``value`` (a tensor or a list of per-device tensors) to ``key``.
-
-        The list is summed, and so are values of a key repeated in one call; the sum replaces the
-        stored value, or with an optimizer is its gradient. Parts of higher ``priority`` go first.
-        The pushed tensors are never modified and may be changed once ``push`` returns.
-        ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle` (``wait()`` blocks until the
-        servers acknowledged the push); a push that fails makes the next call fail. ``_held``:
-        for the Trainer (docs/DESIGN.md, "Held rounds").
-        """
+        """Push ``value`` (a tensor or a list of per-device tensors) to ``key``: the list is summed,
+        and so are values of a key repeated in one call; the sum replaces the stored value, or with an
+        optimizer is its gradient. Parts of higher ``priority`` go first. The pushed tensors are never
+        modified. ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
+        the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
         groups = self._grouped(key, value, "pushed value")
-        with torch.no_grad():
-            handle = self._push_impl(groups, int(priority), wait, _held)
+        handle = self._push_impl(groups, int(priority), wait, _held)
         return None if wait else handle or Handle()
 
     @_locked
     def pull(
         self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True, *, _rescale: Optional[float] = None
     ) -> Optional[Handle]:
-        """Copy the value of ``key`` into ``out`` (a tensor or a list; each gets the value).
-
-        Sees every earlier push of this caller. A row-sparse key cannot be pulled into a dense
-        ``out`` (use :meth:`row_sparse_pull`); sparse outputs are skipped, with one warning, when
-        ``ignore_sparse`` is true, and receive every row otherwise. ``wait=False`` returns a
-        :class:`~pskv.ps.tracker.Handle`: ``out`` must not be used before its ``wait()``.
-        """
+        """Copy the value of ``key``, as of every earlier push of this caller, into ``out`` (a tensor
+        or a list; each gets the value). A row-sparse key needs :meth:`row_sparse_pull`; sparse outputs
+        are skipped, with one warning, when ``ignore_sparse`` is true, and get every row otherwise.
+        ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; use ``out`` after its ``wait()``."""
         groups = self._grouped(key, out, "out")
-        kept: list[tuple[KeyMeta, list[Tensor]]] = []
+        kept: list[Group] = []
         skipped: list[Key] = []
         for meta, outs in groups:
             dense_outs = [o for o in outs if not o.is_sparse]
@@ -248,10 +236,7 @@ class KVStore(ABC):
                 UserWarning,
                 stacklevel=2,
             )
-        handle = None
-        if kept:
-            with torch.no_grad():
-                handle = self._pull_impl(kept, int(priority), wait, _rescale)
+        handle = self._pull_impl(kept, int(priority), wait, _rescale) if kept else None
         return None if wait else handle or Handle()
 
     @_locked
@@ -264,12 +249,10 @@ class KVStore(ABC):
         groups = self._grouped(key, value, "pushed value")
         outs = self._grouped(key, target, "out")  # check outputs before pushing
         if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
-            with torch.no_grad():
-                handle = self._pushpull_impl(groups, outs, int(priority), wait)
+            handle = self._pushpull_impl(groups, outs, int(priority), wait)
             if handle is not NotImplemented:
                 return None if wait else handle or Handle()
-        with torch.no_grad():
-            self._push_impl(groups, int(priority), wait, False)
+        self._push_impl(groups, int(priority), wait, False)
         return self.pull(key, target, priority, wait=wait)
 
     @_locked
@@ -302,8 +285,7 @@ class KVStore(ABC):
             if len(rid_list) != len(outs):
                 raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rid_list)} row_ids")
             groups.append((meta, outs, [self._check_rows(meta, r) for r in rid_list]))
-        with torch.no_grad():
-            self._row_sparse_pull_impl(groups, int(priority))
+        self._row_sparse_pull_impl(groups, int(priority))
 
     @staticmethod
     def _check_rows(meta: KeyMeta, rows: Tensor) -> Tensor:
@@ -384,20 +366,20 @@ class KVStore(ABC):
     def __exit__(self, exc_type: Optional[builtins.type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.close()
 
-    # -- hooks of the concrete stores -----------------------------------------------------------
+    # The hooks of the concrete stores: they get validated arguments.
 
     @abstractmethod
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
 
     @abstractmethod
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         """Push; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     @abstractmethod
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
-    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Any:
+    def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Any:
         """Push ``items`` and pull into ``outs`` as one operation, or ``NotImplemented``: push, then pull."""
         return NotImplemented
 

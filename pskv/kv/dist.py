@@ -1,9 +1,7 @@
 """``dist_sync``, ``dist_device_sync``, ``dist_async``: a worker's store, backed by parameter servers.
 
-Every key is cut into parts (:mod:`pskv.ps.partition`), and a call queues a row per part for each
-server's next INIT, PUSH or PULL message; docs/DESIGN.md describes the rounds, the two data paths,
-the pipeline and the GPU path. In a server or scheduler process, :func:`create_dist` serves instead.
-"""
+Each key is cut into parts (:mod:`pskv.ps.partition`); a call queues a row per part for each server's
+next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipeline and GPU path)."""
 
 from __future__ import annotations
 
@@ -19,21 +17,19 @@ from .. import config, errors
 from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
-from ..ps import timeline
+from ..ps import serve, timeline
 from ..ps.client import WorkerClient
 from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
-from .base import KeyMeta, KVStore
+from .base import Group, KeyMeta, KVStore
 
 
 def create_dist(name: str, environ: Optional[dict[str, str]] = None) -> KVStore:
     """The ``dist_*`` store of this process, or, for a server/scheduler process, serve and exit."""
     env = JobEnv.from_environ(environ)
     if env.role != "worker":
-        from ..ps import serve
-
         sys.exit(serve(env))
     return DistStore(name, env)
 
@@ -116,7 +112,7 @@ class DistStore(KVStore):
         msgs = {s: Message(Type.INIT, meta={"mode": mode, "parts": rows}, frames=frames) for s, (rows, frames) in batches.items()}
         self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
 
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         t0 = timeline.now()
         handle = self._queue_push(items, self._client.handle(), None, wait, int(held))
         timeline.span("push (copy in, queue)", t0, keys=len(items))
@@ -127,13 +123,13 @@ class DistStore(KVStore):
         self._client.wait_sent(self._client.flush())
         return None
 
-    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
+    def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
         """One request: push rows answered with the value once their round is complete (docs/DESIGN.md)."""
         handle, sinks = self._sinks(outs)
         return self._done(self._queue_push(items, handle, sinks, wait, 0), wait)
 
     def _queue_push(
-        self, items: list[tuple[KeyMeta, list[Tensor]]], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]], borrow: bool, held: int
+        self, items: list[Group], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]], borrow: bool, held: int
     ) -> Handle:
         """Queue the PUSH rows of ``items`` for ``handle``; with ``sinks`` (pushpull), each row is
         answered with the part's value, which goes to ``sinks[i](part)``."""
@@ -227,9 +223,8 @@ class DistStore(KVStore):
             yield p, self._round_sent[where]
 
     def _slot(self, meta: KeyMeta, p: Part, gpu: bool) -> tuple[Tensor, tuple[int, int]]:
-        """The host memory a part is pushed from (made once) and its (fd, offset): a slot of our
-        shared memory when the server is on this host (registered with CUDA for a GPU value), else
-        a pinned buffer (GPU values). A CPU value's slot has the key's shape when it is one part."""
+        """The host memory a part is pushed from, made once, and its (fd, offset): our shared memory
+        when the server is on this host (registered with CUDA for a GPU value), else pinned memory."""
         where = (meta.id, p.index)
         if where not in self._slots:
             if p.server in self._client.shm_servers:
@@ -243,7 +238,7 @@ class DistStore(KVStore):
             self._slots[where] = (slot.view(meta.shape) if whole else slot, home)
         return self._slots[where]
 
-    def _sinks(self, items: list[tuple[KeyMeta, list[Tensor]]]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
+    def _sinks(self, items: list[Group]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
         """A handle for pulling ``items``, and per key where each part's answer goes: straight into
         the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
         copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
@@ -282,7 +277,7 @@ class DistStore(KVStore):
         flat = buf.view(-1)
         return lambda p: flat[p.start : p.stop]
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()
         handle, sinks = self._sinks(items)
         for (meta, _), sink in zip(items, sinks):

@@ -1,9 +1,6 @@
-"""``local`` and ``device``: the whole store in this process.
-
-``local`` sums and updates on the CPU. ``device`` makes the sum on the device of the first pushed
-tensor and keeps each value (and runs the optimizer) on the device it was initialised on, so a
-list of CUDA tensors is reduced and updated without visiting the CPU.
-"""
+"""``local`` and ``device``: the whole store in this process. ``device`` sums on the device of the
+first pushed tensor and keeps each value (and runs the optimizer) on the device it was initialised
+on, so CUDA tensors are reduced and updated without visiting the CPU; ``local`` uses the CPU."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from torch import Tensor
 from .. import errors
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer, apply_push
-from .base import KeyMeta, KVStore
+from .base import Group, KeyMeta, KVStore
 
 
 class LocalStore(KVStore):
@@ -35,7 +32,7 @@ class LocalStore(KVStore):
             stored = v.detach().to(self._device(v), copy=True)
             self._values[meta.id] = stored.to_dense() if stored.is_sparse else stored
 
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> None:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> None:
         for meta, values in items:
             comp = self._compressor
             if comp is not None:
@@ -47,7 +44,7 @@ class LocalStore(KVStore):
             merged = reduce_values(values, self._device(values[0])).to(stored.device)
             apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True)  # merged is ours
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> None:
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> None:
         for meta, outs in items:
             stored = self._values[meta.id]
             for out in outs:
