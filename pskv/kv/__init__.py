@@ -1,11 +1,9 @@
 """The key-value store: ``pskv.kv.create(name)`` and the types behind it (docs/SPEC.md, section 3).
 
-``local`` sums and updates on the CPU, ``device`` on the first tensor's device, both in this
-process. ``dist_sync`` keeps the keys on parameter servers and updates once per round of pushes
-from every worker; ``dist_device_sync`` sums device lists on the device first; ``dist_async``
-applies every push on arrival (it needs an optimizer). ``dist`` means ``dist_sync``; MXNet's
-``local_update_cpu`` and ``local_allreduce_cpu`` mean ``local``, ``local_allreduce_device`` ``device``.
-"""
+``local`` sums and updates on the CPU, ``device`` on the first tensor's device. ``dist_sync``
+updates on parameter servers once per round of pushes from every worker, ``dist_device_sync`` after
+summing device lists on the device, ``dist_async`` on every push. ``dist`` means ``dist_sync``; MXNet's
+``local_update_cpu`` and ``local_allreduce_cpu`` mean ``local``, ``local_allreduce_device`` ``device``."""
 
 from __future__ import annotations
 

@@ -78,10 +78,9 @@ def _locked(method: F) -> F:
 class KVStore(ABC):
     """A key-value store for parameters. Create one with :func:`pskv.kv.create`.
 
-    Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device,
-    a list of tensors (one per device), or, for a list of keys, a list of those. Every public
-    method takes the store's lock, so a store may be shared by threads, one call at a time.
-    """
+    Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device, a
+    list of tensors (one per device), or, for a list of keys, a list of those. Every public method
+    takes the store's lock, so threads may share a store (one call at a time)."""
 
     def __init__(self, type_name: str):
         self._type = type_name
@@ -347,10 +346,7 @@ class KVStore(ABC):
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise errors.InvalidValueError(f"allgather takes JSON values (numbers, strings, lists, dicts): {exc}") from None
-        with self._lock:
-            if self._closed:
-                raise errors.StoreClosedError(f"the {self.type!r} store was closed")
-            return self._barrier_impl(value)
+        return _locked(type(self)._barrier_impl)(self, value)  # the value is checked first, then as any call
 
     def close(self) -> None:
         """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""

@@ -116,12 +116,10 @@ class DistStore(KVStore):
         t0 = timeline.now()
         handle = self._queue_push(items, self._client.handle(), None, wait, int(held))
         timeline.span("push (copy in, queue)", t0, keys=len(items))
-        if not wait:
-            self._client.flush(soon=True)
-            return handle
-        # the caller may change its tensors once push returns: wait until zmq has the bytes
-        self._client.wait_sent(self._client.flush())
-        return None
+        if wait:  # the caller may change its tensors once push returns: wait until zmq has the bytes
+            self._client.wait_sent(self._client.flush())
+            return None
+        return self._done(handle, False)
 
     def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
         """One request: push rows answered with the value once their round is complete (docs/DESIGN.md)."""
@@ -131,8 +129,7 @@ class DistStore(KVStore):
     def _queue_push(
         self, items: list[Group], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]], borrow: bool, held: int
     ) -> Handle:
-        """Queue the PUSH rows of ``items`` for ``handle``; with ``sinks`` (pushpull), each row is
-        answered with the part's value, which goes to ``sinks[i](part)``."""
+        """Queue the PUSH rows of ``items``; with ``sinks`` (pushpull), answered with the parts' values."""
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError(
@@ -148,9 +145,8 @@ class DistStore(KVStore):
         return handle
 
     def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """Each part of one key's push: its PUSH row, payload frames (none through shared memory)
-        and the CUDA event its bytes wait for. ``borrow``: one contiguous CPU tensor may go on the
-        wire as it is, without a copy (the caller then waits until it is sent)."""
+        """Each part of one key's push: its PUSH row, payload frames (none through shared memory) and the
+        CUDA event its bytes wait for. ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
         sparse = any(v.is_sparse for v in values)
         if not sparse and self._compressor is None and values[0].is_cuda:
             return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
@@ -192,8 +188,7 @@ class DistStore(KVStore):
         return out
 
     def _push_from_gpu(self, meta: KeyMeta, value: Tensor, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """The parts of a GPU value, copied without blocking into page-locked host memory, on a side
-        stream ordered after the gradient's."""
+        """The parts of a GPU value, copied to page-locked memory on a side stream after the gradient's."""
         stream = self._streams.get(value.device)
         if stream is None:
             stream = self._streams[value.device] = torch.cuda.Stream(value.device)  # type: ignore[no-untyped-call]
@@ -212,8 +207,7 @@ class DistStore(KVStore):
         return out
 
     def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
-        """Each part of the key and the round this push makes it, once the part's earlier pull (its
-        answer may be the server's value itself) or push from our shared slot is done."""
+        """Each part and the round this push makes it, once its earlier pull or shared-slot push is done."""
         for p in self._parts[meta.id]:
             where = (meta.id, p.index)
             earlier = self._before_push.pop(where, None)
@@ -261,8 +255,7 @@ class DistStore(KVStore):
         return self._client.handle(finish), sinks
 
     def _pull_buffer(self, meta: KeyMeta, cuda: bool) -> Tensor:
-        """Where a pull lands before it is copied to its outputs: for a GPU, page-locked memory
-        (made once per key, written again only after its last copy to the GPU is done)."""
+        """Where a pull lands first: for GPU outputs the key's pinned buffer, once its last copy is done."""
         if not cuda:
             return torch.empty(meta.shape, dtype=meta.dtype)
         buf, copied = self._pinned.get(meta.id, (None, None))
