@@ -1,23 +1,15 @@
-"""The key-value store: ``pskv.kv.create(name)`` and the types behind it.
+"""The key-value store: ``pskv.kv.create(name)`` and the types behind it (docs/SPEC.md, section 3).
 
-=================== ===================================================================
-type                what it is
-=================== ===================================================================
-``local``           in this process; sums and updates on the CPU
-``device``          in this process; sums on the first tensor's device, updates there
-``dist_sync``       parameter servers; one update per round of pushes from every worker
-``dist_device_sync`` as ``dist_sync``, with device lists summed on the device first
-``dist_async``      parameter servers; every push applied on arrival (needs an optimizer)
-=================== ===================================================================
-
-``dist`` is another name for ``dist_sync``; MXNet's ``local_update_cpu`` and
-``local_allreduce_cpu`` mean ``local`` and ``local_allreduce_device`` means ``device``.
-"""
+``local`` sums and updates on the CPU, ``device`` on the first tensor's device. ``dist_sync``
+updates on parameter servers once per round of pushes from every worker, ``dist_device_sync`` after
+summing device lists on the device, ``dist_async`` on every push. ``dist`` means ``dist_sync``; MXNet's
+``local_update_cpu`` and ``local_allreduce_cpu`` mean ``local``, ``local_allreduce_device`` ``device``."""
 
 from __future__ import annotations
 
 from ..errors import KVStoreError
 from .base import KeyMeta, KVStore
+from .local import LocalStore
 
 TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
 ALIASES = {
@@ -29,15 +21,9 @@ ALIASES = {
 
 
 def create(name: str = "local") -> KVStore:
-    """Create a store of type ``name`` (see the table above).
-
-    A ``dist_*`` store joins the job described by the ``DMLC_*`` environment (as set by
-    ``pskv launch``); in a process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` it serves
-    until the job ends and then exits the process.
-
-    >>> kv = pskv.kv.create()            # "local"
-    >>> kv = pskv.kv.create("dist_sync")  # inside a job started by `pskv launch`
-    """
+    """Create a store of type ``name`` (see above). A ``dist_*`` store joins the job that the
+    ``DMLC_*`` environment describes (``pskv launch`` sets it); in a server or scheduler process it
+    serves until the job ends, then exits the process."""
     if not isinstance(name, str):
         raise KVStoreError(f"store type must be a str, got {type(name).__name__}")
     canonical = ALIASES.get(name, name)
@@ -47,8 +33,6 @@ def create(name: str = "local") -> KVStore:
         from .dist import create_dist
 
         return create_dist(canonical)
-    from .local import LocalStore
-
     return LocalStore(canonical)
 
 

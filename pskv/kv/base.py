@@ -1,14 +1,14 @@
-"""The store API that every type shares: keys, argument checking, the public methods.
+"""The store API that every type shares: keys, argument checks, the public methods.
 
-A concrete store (``local``, ``device``, the ``dist_*`` client) implements a handful of
-``_..._impl`` hooks; everything a user can get wrong is checked here first, before any hook
-runs, so a rejected call changes nothing and every key stays usable.
-"""
+Everything a user can get wrong is checked here, before a concrete store's ``_..._impl`` hooks run,
+so a rejected call changes nothing."""
 
 from __future__ import annotations
 
 import builtins
 import functools
+import itertools
+import json
 import math
 import numbers
 import threading
@@ -33,6 +33,7 @@ Key = Union[int, str]
 KeyArg = Union[Key, Sequence[Key]]
 ValueArg = Union[Tensor, Sequence[Any]]
 
+
 @dataclass(frozen=True)
 class KeyMeta:
     """What a store knows about a key from its ``init``."""
@@ -55,19 +56,18 @@ class KeyMeta:
         return f"key {self.key!r}"
 
 
-def _fmt_shape(s: Sequence[int]) -> str:
-    return "(" + ", ".join(str(d) for d in s) + ("," if len(s) == 1 else "") + ")"
+Group = tuple[KeyMeta, list[Tensor]]  # a validated key and its tensors (values or outputs)
 
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _locked(method: F) -> F:
-    """A public call: under the store's lock, on an open store."""
+    """A public call: under the store's lock and ``torch.no_grad()``, on an open store."""
 
     @functools.wraps(method)
     def call(self: KVStore, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._lock, torch.no_grad():
             if self._closed:
                 raise errors.StoreClosedError(f"the {self.type!r} store was closed")
             return method(self, *args, **kwargs)
@@ -78,15 +78,9 @@ def _locked(method: F) -> F:
 class KVStore(ABC):
     """A key-value store for parameters. Create one with :func:`pskv.kv.create`.
 
-    Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device,
-    a list of tensors (one per device), or, for a list of keys, a list of those. Every public
-    method takes the store's lock, so a store may be shared by threads, one call at a time.
-
-    >>> kv = pskv.kv.create("local")
-    >>> kv.init("w", torch.ones(2, 3))
-    >>> kv.push("w", [torch.ones(2, 3), 2 * torch.ones(2, 3)])   # summed: 3
-    >>> out = torch.empty(2, 3); kv.pull("w", out)               # out is all 3
-    """
+    Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device, a
+    list of tensors (one per device), or, for a list of keys, a list of those. Every public method
+    takes the store's lock, so threads may share a store (one call at a time)."""
 
     def __init__(self, type_name: str):
         self._type = type_name
@@ -96,8 +90,6 @@ class KVStore(ABC):
         self._compressor: Optional[Compressor] = None
         self._closed = False
         self._lock = threading.RLock()
-
-    # -- identity -------------------------------------------------------------------------------
 
     @property
     def type(self) -> str:
@@ -117,25 +109,20 @@ class KVStore(ABC):
     def __repr__(self) -> str:
         return f"<pskv KVStore {self.type!r} rank {self.rank}/{self.num_workers}, {len(self._keys)} keys>"
 
-    # -- keys -------------------------------------------------------------------------------------
-
     def _check_key(self, key: object, kind: Optional[builtins.type] = None) -> Key:
         kind = kind or self._key_kind
-        k: Key
         if isinstance(key, numbers.Integral) and not isinstance(key, bool):
-            k = int(key)
-            if not 0 <= int(key) < 2**62:
-                raise errors.KeyTypeError(f"int keys must be in [0, 2**62), got {k}")
-        elif isinstance(key, str):
-            k = key
-        else:
+            key = int(key)
+            if not 0 <= key < 2**62:
+                raise errors.KeyTypeError(f"int keys must be in [0, 2**62), got {key}")
+        elif not isinstance(key, str):
             raise errors.KeyTypeError(f"keys must be int or str, got {type(key).__name__} {key!r:.80}")
-        if kind is not None and type(k) is not kind:
+        if kind is not None and type(key) is not kind:
             raise errors.KeyTypeError(
-                f"key {k!r} is a {type(k).__name__}, but this store's keys are {kind.__name__}s "
+                f"key {key!r} is a {type(key).__name__}, but this store's keys are {kind.__name__}s "
                 "(one store never mixes int and str keys)"
             )
-        return k
+        return key
 
     def _meta(self, key: object) -> KeyMeta:
         k = self._check_key(key)
@@ -143,8 +130,6 @@ class KVStore(ABC):
         if meta is None:
             raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
         return meta
-
-    # -- argument normalisation -----------------------------------------------------------------
 
     @staticmethod
     def _pairs(key: KeyArg, value: Any, what: str) -> list[tuple[Any, list[Tensor]]]:
@@ -179,94 +164,60 @@ class KVStore(ABC):
     def _check_like(meta: KeyMeta, t: Tensor, what: str) -> None:
         if t.shape != meta.shape:
             raise errors.ShapeMismatchError(
-                f"{meta}: {what} has shape {_fmt_shape(t.shape)} but the key was initialised with shape {_fmt_shape(meta.shape)}"
+                f"{meta}: {what} has shape {tuple(t.shape)} but the key was initialised with shape {tuple(meta.shape)}"
             )
         if t.dtype != meta.dtype:
             raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
-    def _grouped(self, pairs: list[tuple[Any, list[Tensor]]], what: str) -> list[tuple[KeyMeta, list[Tensor]]]:
+    def _grouped(self, key: KeyArg, value: Any, what: str) -> list[Group]:
         """Validated ``(meta, tensors)`` per distinct key, in first-seen order (repeats joined)."""
-        groups: dict[int, tuple[KeyMeta, list[Tensor]]] = {}
-        for k, ts in pairs:
+        groups: dict[int, Group] = {}
+        for k, ts in self._pairs(key, value, what):
             meta = self._meta(k)
             for t in ts:
                 self._check_like(meta, t, what)
-            if meta.id in groups:
-                groups[meta.id][1].extend(ts)
-            else:
-                groups[meta.id] = (meta, list(ts))
+            groups.setdefault(meta.id, (meta, []))[1].extend(ts)
         return list(groups.values())
-
-    # -- public API -----------------------------------------------------------------------------
 
     @_locked
     def init(self, key: KeyArg, value: ValueArg) -> None:
         """Create ``key`` with ``value`` (a tensor; of a list of device copies the first is used).
-
-        Every worker of a job ``init``\\s the same keys in the same order. Blocks until the value
-        is stored. A second ``init`` of a key is a :class:`~pskv.errors.DuplicateInitError`.
-        """
-        pairs = self._pairs(key, value, "value")
+        Every worker inits the same keys in the same order; a second init of a key is an error."""
         kind = self._key_kind
-        new: list[tuple[KeyMeta, Tensor]] = []
-        seen: set[Key] = set()
-        next_str_id = sum(1 for k in self._keys if isinstance(k, str))
-        for k_raw, ts in pairs:
-            k = self._check_key(k_raw, kind)
+        new: dict[Key, tuple[KeyMeta, Tensor]] = {}
+        str_ids = itertools.count(sum(isinstance(k, str) for k in self._keys))  # a str key's id: its init order
+        for k_raw, ts in self._pairs(key, value, "value"):
+            k, v = self._check_key(k_raw, kind), ts[0]
             kind = kind or type(k)
-            if k in self._keys or k in seen:
+            if k in self._keys or k in new:
                 raise errors.DuplicateInitError(f"key {k!r} was already initialised")
-            seen.add(k)
-            v = ts[0]
-            if v.is_sparse and v.dim() < 1:
-                raise errors.SparseError(f"key {k!r}: a row-sparse value needs at least one dimension")
-            kid = k if isinstance(k, int) else next_str_id
-            if isinstance(k, str):
-                next_str_id += 1
-            new.append((KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v))
-        with torch.no_grad():
-            self._init_impl(new)
+            kid = k if isinstance(k, int) else next(str_ids)
+            new[k] = (KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v)
+        self._init_impl(list(new.values()))
         self._key_kind = kind
-        for meta, _ in new:
-            self._keys[meta.key] = meta
+        self._keys.update((k, meta) for k, (meta, _) in new.items())
 
     @_locked
     def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False) -> Optional[Handle]:
-        """Push ``value`` (a tensor or a list of per-device tensors) to ``key``.
-
-        The list is summed, and so are values of a key repeated in one call. Without an
-        optimizer the stored value is replaced by the sum; with one, the optimizer updates the
-        stored value with the sum as gradient. The pushed tensors are never modified; they may be
-        changed once ``push`` returns. Parts of higher ``priority`` go first.
-
-        ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle` at once (the values are taken
-        before it returns); ``handle.wait()`` blocks until the servers acknowledged the push. A
-        push that fails makes the next call fail, waited for or not.
-
-        (``_held``, for the Trainer: on the servers, the round's update waits for the rescale that
-        a pull with ``_rescale`` brings, so gradients can go before the batch size is known.)
-        """
-        groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
-        with torch.no_grad():
-            handle = self._push_impl(groups, int(priority), wait, _held)
+        """Push ``value`` (a tensor or a list of per-device tensors) to ``key``: the list is summed,
+        and so are values of a key repeated in one call; the sum replaces the stored value, or with an
+        optimizer is its gradient. Parts of higher ``priority`` go first. The pushed tensors are never
+        modified. ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
+        the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
+        groups = self._grouped(key, value, "pushed value")
+        handle = self._push_impl(groups, int(priority), wait, _held)
         return None if wait else handle or Handle()
 
     @_locked
     def pull(
         self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True, *, _rescale: Optional[float] = None
     ) -> Optional[Handle]:
-        """Copy the value of ``key`` into ``out`` (a tensor or a list; each gets the value).
-
-        Sees every earlier push of this caller. A row-sparse key cannot be pulled into a dense
-        ``out`` (use :meth:`row_sparse_pull`); sparse outputs are skipped, with one warning, when
-        ``ignore_sparse`` is true, and receive every row otherwise. Blocks until written, or, with
-        ``wait=False``, returns a :class:`~pskv.ps.tracker.Handle` whose ``wait()`` does (``out``
-        must not be read or written before).
-
-        >>> h = kv.pull("w", out, wait=False); ...; h.wait()
-        """
-        groups = self._grouped(self._pairs(key, out, "out"), "out")
-        kept: list[tuple[KeyMeta, list[Tensor]]] = []
+        """Copy the value of ``key``, as of every earlier push of this caller, into ``out`` (a tensor
+        or a list; each gets the value). A row-sparse key needs :meth:`row_sparse_pull`; sparse outputs
+        are skipped, with one warning, when ``ignore_sparse`` is true, and get every row otherwise.
+        ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; use ``out`` after its ``wait()``."""
+        groups = self._grouped(key, out, "out")
+        kept: list[Group] = []
         skipped: list[Key] = []
         for meta, outs in groups:
             dense_outs = [o for o in outs if not o.is_sparse]
@@ -284,10 +235,7 @@ class KVStore(ABC):
                 UserWarning,
                 stacklevel=2,
             )
-        handle = None
-        if kept:
-            with torch.no_grad():
-                handle = self._pull_impl(kept, int(priority), wait, _rescale)
+        handle = self._pull_impl(kept, int(priority), wait, _rescale) if kept else None
         return None if wait else handle or Handle()
 
     @_locked
@@ -297,15 +245,13 @@ class KVStore(ABC):
         """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into
         ``value``. ``wait=False``: both are sent without waiting; the handle is the pull's."""
         target = value if out is None else out
-        groups = self._grouped(self._pairs(key, value, "pushed value"), "pushed value")
-        outs = self._grouped(self._pairs(key, target, "out"), "out")  # check outputs before pushing
+        groups = self._grouped(key, value, "pushed value")
+        outs = self._grouped(key, target, "out")  # check outputs before pushing
         if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
-            with torch.no_grad():
-                handle = self._pushpull_impl(groups, outs, int(priority), wait)
+            handle = self._pushpull_impl(groups, outs, int(priority), wait)
             if handle is not NotImplemented:
                 return None if wait else handle or Handle()
-        with torch.no_grad():
-            self._push_impl(groups, int(priority), wait, False)
+        self._push_impl(groups, int(priority), wait, False)
         return self.pull(key, target, priority, wait=wait)
 
     @_locked
@@ -320,21 +266,15 @@ class KVStore(ABC):
 
     @_locked
     def row_sparse_pull(self, key: KeyArg, out: ValueArg, row_ids: ValueArg, priority: int = 0) -> None:
-        """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``.
-
-        A sparse ``out`` ends up holding exactly those rows; a dense one holds them with every
-        other row zero. With a list of outputs, ``row_ids`` is one tensor for all or a list with
-        one per output.
-        """
+        """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``: a
+        sparse ``out`` holds exactly those rows, a dense one those and every other row zero. With a
+        list of outputs, ``row_ids`` is one tensor for all or a list with one per output."""
         pairs = self._pairs(key, out, "out")
-        if isinstance(key, (list, tuple)):
-            if not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(key):
-                raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(key)} keys)")
-            rid_items = list(row_ids)
-        else:
-            rid_items = [row_ids]
+        many = isinstance(key, (list, tuple))
+        if many and (not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(pairs)):
+            raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(pairs)} keys)")
         groups: list[tuple[KeyMeta, list[Tensor], list[Tensor]]] = []
-        for (k, outs), rids in zip(pairs, rid_items):
+        for (k, outs), rids in zip(pairs, row_ids if many else [row_ids]):
             meta = self._meta(k)
             for o in outs:
                 self._check_like(meta, o, "out")
@@ -343,15 +283,13 @@ class KVStore(ABC):
                 rid_list = rid_list * len(outs)
             if len(rid_list) != len(outs):
                 raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rid_list)} row_ids")
-            checked = [self._check_rows(meta, r) for r in rid_list]
-            groups.append((meta, outs, checked))
-        with torch.no_grad():
-            self._row_sparse_pull_impl(groups, int(priority))
+            groups.append((meta, outs, [self._check_rows(meta, r) for r in rid_list]))
+        self._row_sparse_pull_impl(groups, int(priority))
 
     @staticmethod
     def _check_rows(meta: KeyMeta, rows: Tensor) -> Tensor:
         if rows.is_sparse or rows.dim() != 1 or rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
-            raise errors.SparseError(f"{meta}: row_ids must be a 1-D integer tensor, got {rows.dtype} of shape {_fmt_shape(rows.shape)}")
+            raise errors.SparseError(f"{meta}: row_ids must be a 1-D integer tensor, got {rows.dtype} of shape {tuple(rows.shape)}")
         if not meta.shape:
             raise errors.SparseError(f"{meta}: a scalar has no rows")
         rows = rows.detach().to("cpu", torch.int64)
@@ -368,6 +306,7 @@ class KVStore(ABC):
                 f"set_optimizer takes a pskv.optim.Optimizer (pskv.optim.create(...)), got {type(optimizer).__name__}"
             )
         self._set_optimizer_impl(optimizer)
+        self._optimizer = optimizer
 
     @_locked
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
@@ -377,17 +316,23 @@ class KVStore(ABC):
 
     @_locked
     def save_optimizer_states(self, fname: Union[str, Path], dump_optimizer: bool = False) -> None:
-        """Write every key's optimizer state (fetched from the servers for dist types) to ``fname``.
-
-        The file is independent of the number of servers. ``dump_optimizer`` is accepted for
-        MXNet compatibility: the optimizer description is always included.
-        """
+        """Write every key's optimizer state (from the servers for dist types) and the optimizer's
+        description to ``fname`` (``dump_optimizer``: MXNet's, accepted and ignored)."""
         save_states(fname, self._optimizer_state(), {m.id: m.key for m in self._keys.values()})
 
     @_locked
     def load_optimizer_states(self, fname: Union[str, Path]) -> None:
-        """Restore states written by :meth:`save_optimizer_states` (to the servers for dist types)."""
-        self._load_optimizer_state(load_states(fname))
+        """Restore states written by :meth:`save_optimizer_states` (to the servers for dist types);
+        a store without an optimizer installs the file's."""
+        state = load_states(fname)
+        desc = state["optimizer"]
+        if self._optimizer is not None and self._optimizer.name != desc.get("name"):
+            raise errors.OptimizerError(
+                f"the file holds {desc.get('name')!r} states but the store's optimizer is {self._optimizer.name!r}"
+            )
+        optimizer = self._optimizer or Optimizer.from_description(desc)
+        self._load_optimizer_state(state, optimizer)
+        self._optimizer = optimizer
 
     @_locked
     def barrier(self) -> None:
@@ -395,23 +340,13 @@ class KVStore(ABC):
         self._barrier_impl()
 
     def allgather(self, value: Any) -> list[Any]:
-        """Every worker's ``value``, by rank: a barrier that carries a small JSON-able value.
-
-        For metrics and other bookkeeping (never for tensors: push and pull those). Blocks until
-        every worker calls it. In-process stores return ``[value]``.
-
-        >>> losses = kv.allgather({"loss": total_loss, "samples": n})
-        """
-        import json
-
+        """Every worker's ``value`` (small and JSON-able, e.g. metrics; tensors are pushed and
+        pulled), by rank: a barrier that carries it. In-process stores return ``[value]``."""
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as exc:
             raise errors.InvalidValueError(f"allgather takes JSON values (numbers, strings, lists, dicts): {exc}") from None
-        with self._lock:
-            if self._closed:
-                raise errors.StoreClosedError(f"the {self.type!r} store was closed")
-            return self._allgather_impl(value)
+        return _locked(type(self)._barrier_impl)(self, value)  # the value is checked first, then as any call
 
     def close(self) -> None:
         """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""
@@ -427,29 +362,28 @@ class KVStore(ABC):
     def __exit__(self, exc_type: Optional[builtins.type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.close()
 
-    # -- hooks of the concrete stores -----------------------------------------------------------
+    # The hooks of the concrete stores: they get validated arguments.
 
     @abstractmethod
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
 
     @abstractmethod
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         """Push; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
     @abstractmethod
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
 
-    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Any:
-        """Push ``items`` and pull into ``outs`` as one operation, where a store can (the dist
-        stores: the push is answered with the value); ``NotImplemented``: push, then pull."""
+    def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Any:
+        """Push ``items`` and pull into ``outs`` as one operation, or ``NotImplemented``: push, then pull."""
         return NotImplemented
 
     @abstractmethod
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None: ...
 
-    @abstractmethod
-    def _set_optimizer_impl(self, optimizer: Optimizer) -> None: ...
+    def _set_optimizer_impl(self, optimizer: Optimizer) -> None:
+        """Called before ``self._optimizer`` is set to ``optimizer``; the dist client tells the servers."""
 
     def _set_compression_impl(self, compressor: Compressor) -> None:
         """Called after ``self._compressor`` is set; the dist client tells the servers."""
@@ -458,14 +392,12 @@ class KVStore(ABC):
     def _optimizer_state(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None: ...
+    def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
+        """Load ``state`` into ``optimizer`` (the store's, or a new one from the file's description)."""
 
-    def _barrier_impl(self) -> None:
-        """In-process stores have nothing to wait for."""
-
-    def _allgather_impl(self, value: Any) -> list[Any]:
-        """In-process stores have one worker."""
-        return [value]
+    def _barrier_impl(self, *value: Any) -> list[Any]:
+        """A barrier of the workers, carrying ``value`` if given: every worker's, by rank (here: one)."""
+        return list(value)
 
     def _close_impl(self) -> None:
         """In-process stores hold nothing that needs releasing."""

@@ -1,27 +1,13 @@
-"""``dist_sync``, ``dist_device_sync``, ``dist_async``: the store backed by parameter servers.
+"""``dist_sync``, ``dist_device_sync``, ``dist_async``: a worker's store, backed by parameter servers.
 
-The worker cuts every key into parts (:mod:`pskv.ps.partition`) and sends each server one
-message per call listing its parts (over TCP, a push goes out every ``PSKV_BATCH_BYTES``, so
-the server merges the first parts while the rest are on the wire):
-
-- ``init``: every worker declares every part, worker 0 with the value; ``init`` returns when the
-  servers hold worker 0's value, so every worker pulls the same initial weights.
-- ``push``: device lists are summed (on the CPU; on the first tensor's device for
-  ``dist_device_sync``) into this worker's shared-memory slot of the part when the server is on
-  this host, else sent as frames, without a copy when one CPU tensor is pushed (``push`` then
-  returns once the bytes are sent). With gradient compression each device value is encoded with
-  its own residual and the server sums the decoded values; row-sparse values travel as rows.
-- ``pull``: each part's answer is copied straight into ``out`` by the I/O thread; ``pull``
-  returns when every part has arrived, as of the round of this worker's latest push.
-- The optimizer runs on the servers; its description travels, never code.
-
-A process whose ``DMLC_ROLE`` is ``server`` or ``scheduler`` serves instead (see :func:`create_dist`).
-"""
+Each key is cut into parts (:mod:`pskv.ps.partition`); a call queues a row per part for each server's
+next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipeline and GPU path)."""
 
 from __future__ import annotations
 
 import sys
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,21 +17,19 @@ from .. import config, errors
 from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
-from ..ps import timeline
+from ..ps import serve, timeline
 from ..ps.client import WorkerClient
 from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
-from .base import KeyMeta, KVStore
+from .base import Group, KeyMeta, KVStore
 
 
 def create_dist(name: str, environ: Optional[dict[str, str]] = None) -> KVStore:
     """The ``dist_*`` store of this process, or, for a server/scheduler process, serve and exit."""
     env = JobEnv.from_environ(environ)
     if env.role != "worker":
-        from ..ps import serve
-
         sys.exit(serve(env))
     return DistStore(name, env)
 
@@ -77,10 +61,8 @@ class DistStore(KVStore):
         self._chunk = config.chunk_bytes()
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
-        self._slots: dict[tuple[int, int], Tensor] = {}  # (key, part) -> its push slot in our shared memory
-        # (key, part) -> the latest call that must be done before the part is pushed again: a
-        # pull (its answer may be the server's value itself) or a push from our shared slot
-        self._before_push: dict[tuple[int, int], Handle] = {}
+        self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
+        self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
         self._streams: dict[torch.device, Any] = {}  # a side CUDA stream per device, for copies to the host
         self._pinned: dict[int, tuple[Tensor, Any]] = {}  # key -> page-locked buffer pulls into GPU outputs go through, its last copy
 
@@ -110,13 +92,11 @@ class DistStore(KVStore):
         handle.wait()
         return None
 
-    # -- init / push / pull -----------------------------------------------------------------------
-
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         self._client.check()
         batches: dict[int, tuple[list[Any], list[Any]]] = {}
         for meta, value in items:
-            row_numel = max(1, meta.row_numel) if meta.shape else 1
+            row_numel = max(1, meta.row_numel)  # 1 for a scalar
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=row_numel, chunk=chunk)
             flat = None
@@ -132,44 +112,45 @@ class DistStore(KVStore):
         msgs = {s: Message(Type.INIT, meta={"mode": mode, "parts": rows}, frames=frames) for s, (rows, frames) in batches.items()}
         self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
 
-    def _push_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+        t0 = timeline.now()
+        handle = self._queue_push(items, self._client.handle(), None, wait, int(held))
+        timeline.span("push (copy in, queue)", t0, keys=len(items))
+        if wait:  # the caller may change its tensors once push returns: wait until zmq has the bytes
+            self._client.wait_sent(self._client.flush())
+            return None
+        return self._done(handle, False)
+
+    def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
+        """One request: push rows answered with the value once their round is complete (docs/DESIGN.md)."""
+        handle, sinks = self._sinks(outs)
+        return self._done(self._queue_push(items, handle, sinks, wait, 0), wait)
+
+    def _queue_push(
+        self, items: list[Group], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]], borrow: bool, held: int
+    ) -> Handle:
+        """Queue the PUSH rows of ``items``; with ``sinks`` (pushpull), answered with the parts' values."""
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError(
                 "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
             )
-        handle = self._client.handle()
-        t0 = timeline.now()
-        for meta, values in items:
-            for p, row, frames, ready in self._push_parts(meta, values, wait, int(held)):
-                # TCP: a message leaves every PSKV_BATCH_BYTES, so the server sums one while the
-                # next is on the wire. Shared memory: every stage is a pass over memory, so
-                # overlapping them only makes them compete for the memory bus and the cores.
+        for i, (meta, values) in enumerate(items):
+            for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(sinks is not None)):
+                entry = (handle, None, None) if sinks is None else (handle, sinks[i](p), meta.dtype)
                 nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, (handle, None, None), nbytes, ready)
-                if not frames:  # from our shared slot: not to be written again before the server merged it
+                self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
+                if sinks is not None or not frames:  # the part's answer, or our shared slot, is in use until done
                     self._before_push[(meta.id, p.index)] = handle
-        timeline.span("push (copy in, queue)", t0, keys=len(items))
-        if not wait:
-            self._client.flush(soon=True)
-            return handle
-        # the caller may change its tensors once push returns: wait until zmq has the bytes
-        self._client.wait_sent(self._client.flush())
-        return None
+        return handle
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int = 0) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """Each part of one key's push: its PUSH row, payload frames (none through shared memory)
-        and the CUDA event its bytes wait for (a GPU value is copied asynchronously to page-locked
-        memory, on a side stream ordered after the gradient's).
-
-        ``borrow``: one contiguous CPU tensor may go on the wire as it is, without a copy (the
-        caller then waits until it is sent)."""
-        if not any(v.is_sparse for v in values) and self._compressor is None and values[0].is_cuda:
-            return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
-        out = []
-        parts = self._parts[meta.id]
-        whole = len(parts) == 1  # one part: the tensors go as they are, no flat views (each op costs)
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
+        """Each part of one key's push: its PUSH row, payload frames (none through shared memory) and the
+        CUDA event its bytes wait for. ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
         sparse = any(v.is_sparse for v in values)
+        if not sparse and self._compressor is None and values[0].is_cuda:
+            return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
+        whole = len(self._parts[meta.id]) == 1  # one part: the tensors go as they are, no flat views (each op costs)
         if sparse:
             merged = reduce_values(values, torch.device("cpu"))
             ids, vals = merged.indices()[0], merged.values().reshape(len(merged.indices()[0]), -1)
@@ -183,39 +164,31 @@ class DistStore(KVStore):
             flats = values if whole else [v.reshape(-1) for v in values]
             one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
-        for p in parts:
-            where = (meta.id, p.index)
-            self._wait_before_push(where)
-            round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
+        out = []
+        for p, round_ in self._rounds(meta):
+            kind, home = PushKind.DENSE, (-1, 0)  # home: the (fd, offset) of our shared-memory slot
+            frames: list[Any] = []
             if sparse:
                 r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
                 sel = (ids >= r0) & (ids < r1)
-                frames = [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-                out.append((p, [meta.id, p.index, round_, PushKind.SPARSE, 2, -1, 0, held, reply], frames, None))
+                kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
             elif self._compressor is not None:
+                kind = PushKind.COMPRESSED
                 frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-                out.append((p, [meta.id, p.index, round_, PushKind.COMPRESSED, len(frames), -1, 0, held, reply], frames, None))
             elif p.server in self._client.shm_servers:
-                slot = self._slots.get(where)
-                if slot is None:
-                    arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
-                    slot = arena.tensor(offset, p.numel, meta.dtype)
-                    slot = self._slots[where] = slot.view(meta.shape) if whole else slot
-                    slot.home = (arena.fd, offset)  # type: ignore[attr-defined]
+                slot, home = self._slot(meta, p, gpu=False)
                 slot.copy_(flats[0] if whole else flats[0][p.start : p.stop])
                 for f in flats[1:]:
                     slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
-                fd, offset = slot.home  # type: ignore[attr-defined]
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], [], None))
             else:
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(merged_flat[p.start : p.stop])], None))
+                frames = [tensor_frame(merged_flat[p.start : p.stop])]
+            out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, None))
         return out
 
     def _push_from_gpu(self, meta: KeyMeta, value: Tensor, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """The parts of a GPU value, copied without blocking into page-locked host memory: the
-        part's slot in our (registered) shared memory, or a pinned buffer of the store's."""
+        """The parts of a GPU value, copied to page-locked memory on a side stream after the gradient's."""
         stream = self._streams.get(value.device)
         if stream is None:
             stream = self._streams[value.device] = torch.cuda.Stream(value.device)  # type: ignore[no-untyped-call]
@@ -223,59 +196,43 @@ class DistStore(KVStore):
         value.record_stream(stream)  # its memory is not reused before the copy is done
         flat, out = value.reshape(-1), []  # type: tuple[Tensor, list[tuple[Part, list[int], list[Any], Any]]]
         with torch.cuda.stream(stream):
-            for p in self._parts[meta.id]:
-                where = (meta.id, p.index)
-                self._wait_before_push(where)
-                round_ = self._round_sent[where] = self._round_sent.get(where, 0) + 1
-                host = self._host_buffer(meta, p)
+            for p, round_ in self._rounds(meta):
+                slot, home = self._slot(meta, p, gpu=True)
+                host = slot.view(-1)
                 host.copy_(flat[p.start : p.stop], non_blocking=True)
                 ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 ready.record(stream)
-                if p.server in self._client.shm_servers:
-                    fd, offset = host.home  # type: ignore[attr-defined]
-                    out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 0, fd, offset, held, reply], [], ready))
-                else:
-                    out.append((p, [meta.id, p.index, round_, PushKind.DENSE, 1, -1, 0, held, reply], [tensor_frame(host)], ready))
+                frames = [] if p.server in self._client.shm_servers else [tensor_frame(host)]
+                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, len(frames), *home, held, reply], frames, ready))
         return out
 
-    def _host_buffer(self, meta: KeyMeta, p: Part) -> Tensor:
-        """The page-locked host memory a part of a GPU value goes through (made once)."""
+    def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
+        """Each part and the round this push makes it, once its earlier pull or shared-slot push is done."""
+        for p in self._parts[meta.id]:
+            where = (meta.id, p.index)
+            earlier = self._before_push.pop(where, None)
+            if earlier is not None and not earlier.done():
+                earlier.wait()  # sends what is queued first
+            self._round_sent[where] = self._round_sent.get(where, 0) + 1
+            yield p, self._round_sent[where]
+
+    def _slot(self, meta: KeyMeta, p: Part, gpu: bool) -> tuple[Tensor, tuple[int, int]]:
+        """The host memory a part is pushed from, made once, and its (fd, offset): our shared memory
+        when the server is on this host (registered with CUDA for a GPU value), else pinned memory."""
         where = (meta.id, p.index)
-        buf = self._slots.get(where)
-        if buf is None:
+        if where not in self._slots:
             if p.server in self._client.shm_servers:
                 arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
-                arena.pin()
-                buf = arena.tensor(offset, p.numel, meta.dtype)
-                buf.home = (arena.fd, offset)  # type: ignore[attr-defined]
+                if gpu:
+                    arena.pin()
+                slot, home = arena.tensor(offset, p.numel, meta.dtype), (arena.fd, offset)
             else:
-                buf = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True)
-            self._slots[where] = buf
-        return buf.view(-1)
+                slot, home = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True), (-1, 0)
+            whole = not gpu and len(self._parts[meta.id]) == 1
+            self._slots[where] = (slot.view(meta.shape) if whole else slot, home)
+        return self._slots[where]
 
-    def _wait_before_push(self, where: tuple[int, int]) -> None:
-        earlier = self._before_push.pop(where, None)
-        if earlier is not None and not earlier.done():
-            self._client.flush()
-            self._client.wait([earlier])
-
-    def _pushpull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], outs: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool) -> Optional[Handle]:
-        """Push rows that are answered with the value once their round is complete: a pull that
-        needs no request of its own, so it does not queue behind the rest of the pushes."""
-        self._client.check()
-        if self._async and self._optimizer is None:
-            raise errors.OptimizerRequiredError(
-                "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
-            )
-        handle, sinks = self._sinks(outs)
-        for (meta, values), sink in zip(items, sinks):
-            for p, row, frames, ready in self._push_parts(meta, values, wait, 0, reply=1):
-                nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, (handle, sink(p), meta.dtype), nbytes, ready)
-                self._before_push[(meta.id, p.index)] = handle
-        return self._done(handle, wait)
-
-    def _sinks(self, items: list[tuple[KeyMeta, list[Tensor]]]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
+    def _sinks(self, items: list[Group]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
         """A handle for pulling ``items``, and per key where each part's answer goes: straight into
         the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
         copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
@@ -298,8 +255,7 @@ class DistStore(KVStore):
         return self._client.handle(finish), sinks
 
     def _pull_buffer(self, meta: KeyMeta, cuda: bool) -> Tensor:
-        """Where a pull lands before it is copied to its outputs: for a GPU, page-locked memory
-        (made once per key, written again only after its last copy to the GPU is done)."""
+        """Where a pull lands first: for GPU outputs the key's pinned buffer, once its last copy is done."""
         if not cuda:
             return torch.empty(meta.shape, dtype=meta.dtype)
         buf, copied = self._pinned.get(meta.id, (None, None))
@@ -314,7 +270,7 @@ class DistStore(KVStore):
         flat = buf.view(-1)
         return lambda p: flat[p.start : p.stop]
 
-    def _pull_impl(self, items: list[tuple[KeyMeta, list[Tensor]]], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()
         handle, sinks = self._sinks(items)
         for (meta, _), sink in zip(items, sinks):
@@ -351,8 +307,6 @@ class DistStore(KVStore):
                 pos = torch.searchsorted(wanted, rows)
                 write_rows(out, rows, data[pos].view(len(rows), *meta.shape[1:]))
 
-    # -- optimizer ------------------------------------------------------------------------------
-
     def _to_servers(self, make: Callable[[int], Message], what: str, on_reply: Optional[Callable[[Message], None]] = None) -> None:
         self._client.check()
         self._client.wait([self._client.send(s, make(s), what, on_reply) for s in range(self.num_servers)])
@@ -361,15 +315,13 @@ class DistStore(KVStore):
         keep = optimizer is self._optimizer  # the same object again: new hyperparameters, same states
         desc = {"optimizer": optimizer.describe(), "keep_states": keep}
         self._to_servers(lambda s: Message(Type.SET_OPTIMIZER, meta=desc), "set_optimizer")
-        self._optimizer = optimizer
 
     def _optimizer_state(self) -> dict[str, Any]:
         answers: list[Message] = []
         self._to_servers(lambda s: Message(Type.GET_STATES), "save_optimizer_states", answers.append)
         by_id = {m.id: m for m in self._keys.values()}
-        pieces: dict[int, dict[int, tuple[int, dict[str, Tensor]]]] = {}
-        desc = None
-        num_update = 0
+        pieces: dict[int, dict[int, tuple[int, dict[str, Tensor]]]] = {}  # key -> part -> (step, tensors)
+        desc, num_update = None, 0
         for ans in answers:
             meta = ans.meta or {}
             desc = desc or meta.get("optimizer")
@@ -384,52 +336,36 @@ class DistStore(KVStore):
             raise errors.OptimizerError("no optimizer is set on the servers; call set_optimizer first")
         keys: dict[int, dict[str, Any]] = {}
         for kid, parts in pieces.items():
-            if sorted(parts) != list(range(len(self._parts[kid]))):
-                continue  # a key no push has updated yet on some server: no state to save
-            names = sorted(parts[0][1])
-            shape = by_id[kid].shape
-            keys[kid] = {"step": parts[0][0], "tensors": {n: torch.cat([parts[i][1][n] for i in sorted(parts)]).view(shape) for n in names}}
+            if sorted(parts) == list(range(len(self._parts[kid]))):  # else some server has no state yet
+                names, shape = sorted(parts[0][1]), by_id[kid].shape
+                tensors = {n: torch.cat([parts[i][1][n] for i in sorted(parts)]).view(shape) for n in names}
+                keys[kid] = {"step": parts[0][0], "tensors": tensors}
         return {"optimizer": desc, "num_update": num_update, "keys": keys}
 
-    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
-        desc = state["optimizer"]
-        if self._optimizer is not None and self._optimizer.name != desc.get("name"):
-            raise errors.OptimizerError(f"the file holds {desc.get('name')!r} states but the store's optimizer is {self._optimizer.name!r}")
-        per_server: dict[int, tuple[list[dict[str, Any]], list[Any]]] = {s: ([], []) for s in range(self.num_servers)}
+    def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
+        entries: dict[int, list[dict[str, Any]]] = {s: [] for s in range(self.num_servers)}
+        frames: dict[int, list[Any]] = {s: [] for s in range(self.num_servers)}
         by_id = {m.id: m for m in self._keys.values()}
-        opt = self._optimizer or Optimizer.from_description(desc)
         for kid, entry in state["keys"].items():
             meta = by_id.get(int(kid))
             if meta is None:
                 continue
-            opt.check_state(meta.key, entry["tensors"], torch.empty(meta.shape, device="meta"))  # here, before any server changes
-            names = sorted(entry["tensors"])
+            optimizer.check_state(meta.key, entry["tensors"], torch.empty(meta.shape, device="meta"))  # here, before any server changes
+            names, step = sorted(entry["tensors"]), int(entry["step"])
             flats = {n: entry["tensors"][n].to("cpu", meta.dtype).contiguous().view(-1) for n in names}
             for p in self._parts[meta.id]:
-                entries, frames = per_server[p.server]
-                entries.append({"key": meta.id, "part": p.index, "step": int(entry["step"]), "names": names})
-                frames += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
-
-        def message(s: int) -> Message:
-            meta = {"optimizer": desc, "num_update": int(state["num_update"]), "parts": per_server[s][0]}
-            return Message(Type.SET_STATES, meta=meta, frames=per_server[s][1])
-
-        self._to_servers(message, "load_optimizer_states")
-        if self._optimizer is None:
-            self._optimizer = Optimizer.from_description(desc)
-
-    # -- the rest -------------------------------------------------------------------------------
+                entries[p.server].append({"key": meta.id, "part": p.index, "step": step, "names": names})
+                frames[p.server] += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
+        head = {"optimizer": state["optimizer"], "num_update": int(state["num_update"])}
+        msgs = [Message(Type.SET_STATES, meta={**head, "parts": entries[s]}, frames=frames[s]) for s in entries]
+        self._to_servers(lambda s: msgs[s], "load_optimizer_states")
 
     def _set_compression_impl(self, compressor: Compressor) -> None:
         self._client.push_meta = {"codec": compressor.codec.describe()}
 
-    def _barrier_impl(self) -> None:
+    def _barrier_impl(self, *value: Any) -> list[Any]:
         self._client.check()
-        self._client.barrier("worker")
-
-    def _allgather_impl(self, value: Any) -> list[Any]:
-        self._client.check()
-        return self._client.barrier("worker", value)
+        return self._client.barrier("worker", *value)
 
     def _close_impl(self) -> None:
         self._closer()
