@@ -233,7 +233,7 @@ class KVStore(ABC):
                 f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
                 "use row_sparse_pull to fetch rows",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,  # the caller of pull, past the lock's wrapper
             )
         handle = self._pull_impl(kept, int(priority), wait, _rescale) if kept else None
         return None if wait else handle or Handle()

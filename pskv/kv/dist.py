@@ -26,9 +26,9 @@ from ..ps.tracker import Handle, Sink
 from .base import Group, KeyMeta, KVStore
 
 
-def create_dist(name: str, environ: Optional[dict[str, str]] = None) -> KVStore:
+def create_dist(name: str) -> KVStore:
     """The ``dist_*`` store of this process, or, for a server/scheduler process, serve and exit."""
-    env = JobEnv.from_environ(environ)
+    env = JobEnv.from_environ()
     if env.role != "worker":
         sys.exit(serve(env))
     return DistStore(name, env)
@@ -189,6 +189,7 @@ class DistStore(KVStore):
 
     def _push_from_gpu(self, meta: KeyMeta, value: Tensor, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
         """The parts of a GPU value, copied to page-locked memory on a side stream after the gradient's."""
+        rounds = list(self._rounds(meta))  # waits for earlier pulls here: their copies go on the caller's stream
         stream = self._streams.get(value.device)
         if stream is None:
             stream = self._streams[value.device] = torch.cuda.Stream(value.device)  # type: ignore[no-untyped-call]
@@ -196,7 +197,7 @@ class DistStore(KVStore):
         value.record_stream(stream)  # its memory is not reused before the copy is done
         flat, out = value.reshape(-1), []  # type: tuple[Tensor, list[tuple[Part, list[int], list[Any], Any]]]
         with torch.cuda.stream(stream):
-            for p, round_ in self._rounds(meta):
+            for p, round_ in rounds:
                 slot, home = self._slot(meta, p, gpu=True)
                 host = slot.view(-1)
                 host.copy_(flat[p.start : p.stop], non_blocking=True)

@@ -234,8 +234,9 @@ def test_row_sparse_key_rules(kv: KVStore) -> None:
     with pytest.raises(pskv.SparseError, match="key 'emb' is row-sparse"):
         kv.pull("emb", torch.zeros(4, 2))
     sparse_out = rs([1], torch.ones(1, 2), (4, 2))
-    with pytest.warns(UserWarning, match="skipped the row-sparse outputs of key"):
+    with pytest.warns(UserWarning, match="skipped the row-sparse outputs of key") as caught:
         kv.pull("emb", sparse_out)
+    assert caught[0].filename == __file__  # the warning points at the caller's line
     assert sparse_out.coalesce().indices()[0].tolist() == [1]  # untouched
     kv.pull("emb", sparse_out, ignore_sparse=False)
     assert torch.equal(sparse_out.to_dense(), torch.tensor([[1.0, 1.0], [0, 0], [0, 0], [0, 0]]))
