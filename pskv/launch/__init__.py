@@ -1,7 +1,5 @@
 """``pskv launch``: its options (:func:`add_parser`), and :func:`run`, which hands the job to
-:func:`~pskv.launch.job.run_job` with the backend of the module that ``--launcher`` names.
-docs/launchers/ has one page per launcher.
-"""
+:func:`~pskv.launch.job.run_job` with the backend of the ``--launcher`` module (docs/launchers/)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """The wrapper of every server and worker that a cluster launcher starts, and of the scheduler
-that ``pskv launch`` runs here (docs/launchers/README.md, "pskv.launch.guard")::
-
-    python -m pskv.launch.guard [--rank-from VAR[,VAR...]] [--rank-offset K] [--prefix TEMPLATE]
-                                [--watch-stdin] [--workers-here N] [--status-dir DIR]
-                                [--grace SECONDS] -- COMMAND [ARG...]
-
-Standard library only, so it starts in a few tens of milliseconds; the launcher shares its
-process plumbing (the line pump, :func:`terminate`, :func:`exit_status`).
+that ``pskv launch`` runs here (docs/launchers/README.md, "pskv.launch.guard"). Standard library
+only, so it starts fast; the launcher shares its line pump, :func:`terminate` and :func:`exit_status`.
 """
 
 from __future__ import annotations

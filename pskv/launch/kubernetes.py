@@ -1,12 +1,5 @@
-"""``pskv launch --launcher kubernetes``: manifests for the job, written to a file or applied.
-
-Objects (labelled ``pskv/job: NAME``, ``pskv/role: ROLE``): ``Service NAME-scheduler`` on
-``--port``; ``Job NAME-scheduler``, one pod running ``python3 -m pskv serve`` bound to its pod IP;
-``Job NAME-server`` and ``Job NAME-worker``, Indexed Jobs of S and W pods running ``python3 -m
-pskv.launch.guard --rank-from JOB_COMPLETION_INDEX -- python3 -m pskv serve`` (or ``-- COMMAND``)
-with ``DMLC_PS_ROOT_URI=NAME-scheduler``; one JSON ``kind: List`` (YAML too) of them is written
-(``--output``), printed (``--dry-run``) or applied (``kubectl apply -f -``; docs/launchers/kubernetes.md).
-"""
+"""``pskv launch --launcher kubernetes``: a Service and Jobs for the job, written (``--output``,
+``--dry-run``) or applied with ``kubectl apply -f -`` (docs/launchers/kubernetes.md)."""
 
 from __future__ import annotations
 

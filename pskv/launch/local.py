@@ -1,7 +1,5 @@
-"""``pskv launch --launcher local``: the scheduler (``python -m pskv serve`` on a free port of
-127.0.0.1), S servers (``python -m pskv serve``) and W workers running COMMAND, all on this
-machine, each in a process group of its own (docs/launchers/local.md). With
-``PSKV_TIMELINE=path`` the processes' timelines are merged into ``path`` when the job ends.
+"""``pskv launch --launcher local``: the scheduler, servers and workers all on this machine
+(docs/launchers/local.md); :func:`launch_local` runs such a job for ``pskv train`` and ``pskv bench``.
 """
 
 from __future__ import annotations

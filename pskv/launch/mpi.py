@@ -1,17 +1,5 @@
-"""``pskv launch --launcher mpi``: servers and workers as the app contexts of one ``mpirun``.
-
-The scheduler runs here. One MPMD command starts the rest, servers first::
-
-    mpirun [--launcher-args] -np S -x DMLC_ROLE=server -x ... \\
-        python3 -m pskv.launch.guard --rank-from OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK --prefix 'server {rank}' \\
-        -- python3 -m pskv serve \\
-      : -np W -x DMLC_ROLE=worker -x ... \\
-        python3 -m pskv.launch.guard --rank-from ... --rank-offset S --prefix 'worker {rank}' -- COMMAND
-
-With ``-H`` the launcher places the processes as the ssh launcher does: Open MPI gets one context
-per run of processes on one host (``-np 1 --host a ... : ...``), MPICH's hydra a hostfile
-(``-f``) of every process's host in rank order (docs/launchers/mpi.md).
-"""
+"""``pskv launch --launcher mpi``: servers and workers as the app contexts of one MPMD ``mpirun``
+(docs/launchers/mpi.md shows the command, for Open MPI and MPICH)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,5 @@
-"""``pskv launch --launcher sge``: servers and workers as two Grid Engine array jobs.
-
-The scheduler runs here. Each role is one array job, submitted from the working directory (which
-the execution hosts share), in a new ``.pskv-sge-*`` directory DIR::
-
-    qsub -terse -cwd -V -S /bin/sh -N NAME-worker -t 1-W -j y -o DIR [--launcher-args] DIR/worker.sh
-
-``worker.sh`` exports the job's variables and ends with ``exec python3 -m pskv.launch.guard
---rank-from SGE_TASK_ID --rank-offset 1 --prefix 'worker {rank}' --status-dir DIR -- COMMAND``;
-the launcher follows the tasks' output and status files (docs/launchers/sge.md).
-"""
+"""``pskv launch --launcher sge``: servers and workers as two Grid Engine array jobs, watched through
+the status files their guards write (docs/launchers/sge.md shows the scripts and commands)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,5 @@
-"""``pskv launch --launcher slurm``: inside an allocation with ``srun``, or submitted with ``sbatch``.
-
-Inside an allocation (``SLURM_JOB_ID`` is set) the scheduler runs here, then one job step per
-role, at the same time, with the job's ``DMLC_*`` variables in srun's environment::
-
-    srun --overlap --ntasks=S --kill-on-bad-exit=1 --job-name=NAME-server --export=ALL \\
-        python3 -m pskv.launch.guard --rank-from SLURM_PROCID --prefix 'server {rank}' -- python3 -m pskv serve
-    srun --overlap --ntasks=W ... --prefix 'worker {rank}' -- COMMAND
-
-Outside one it writes a batch script that runs this same launcher inside the job, submits it
-with ``sbatch --wait --parsable`` and follows the job's output file; Ctrl-C or a failure
-``scancel``s it (docs/launchers/slurm.md).
-"""
+"""``pskv launch --launcher slurm``: inside an allocation one ``srun`` step per role, outside one a
+batch script that runs this launcher again, submitted with ``sbatch --wait`` (docs/launchers/slurm.md)."""
 
 from __future__ import annotations
 

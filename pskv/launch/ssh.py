@@ -1,12 +1,5 @@
-"""``pskv launch --launcher ssh``: servers and workers on the hosts of a hostfile, over OpenSSH.
-
-After ``ssh HOST true`` on every host (and ``rsync -a --mkpath -e SSH ./ HOST:DIR/`` for
-``--sync-dst-dir DIR``), each server and worker is one ssh client here, its output prefixed
-``[worker 2@HOST] ``, its stdin a pipe that closes when the job stops (docs/launchers/ssh.md)::
-
-    ssh -o BatchMode=yes -o ConnectTimeout=10 -T HOST 'cd DIR && exec env DMLC_ROLE=worker ... \\
-        python3 -m pskv.launch.guard --watch-stdin --workers-here N --grace 3 -- COMMAND'
-"""
+"""``pskv launch --launcher ssh``: each server and worker is one ssh client here, to a host of the
+hostfile, running the guard (docs/launchers/ssh.md shows the commands)."""
 
 from __future__ import annotations
 

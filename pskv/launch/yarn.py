@@ -1,12 +1,5 @@
-"""``pskv launch --launcher yarn``: a YARN service spec (Hadoop 3 "Yarnfile") for the job, written
-(``--output FILE``, ``--dry-run``) or submitted with ``yarn app -launch NAME FILE``.
-
-One process per container, none restarted: ``scheduler`` (1 container) runs ``python3 -m pskv
-serve`` on 0.0.0.0:``--port``; ``server`` (S) and ``worker`` (W) depend on it and run ``python3 -m
-pskv.launch.guard --rank-from PSKV_RANK -- python3 -m pskv serve`` (or ``-- COMMAND``) with
-``PSKV_RANK=${COMPONENT_ID}`` and ``DMLC_PS_ROOT_URI=scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}``,
-the scheduler's registry DNS name (docs/launchers/yarn.md).
-"""
+"""``pskv launch --launcher yarn``: a YARN service spec for the job, written (``--output``,
+``--dry-run``) or submitted with ``yarn app -launch NAME FILE`` (docs/launchers/yarn.md)."""
 
 from __future__ import annotations
 
