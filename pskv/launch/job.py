@@ -115,11 +115,8 @@ class ProcessContext:
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
         show: Show = "prefix", stdin: Stdin = "devnull", main: bool = False,
     ) -> Proc:  # fmt: skip
-        """Start ``argv`` with ``env`` in a new process group, as a main process or a helper.
-        ``show``: ``"prefix"`` streams its output as ``[name] ...`` lines, ``"raw"`` as it is,
-        ``"tail"`` only keeps the last lines for a failure report. ``stdin="pipe"``: a pipe that is
-        never written and closes when the job stops or this process dies (an ssh client passes
-        that EOF on to the remote guard)."""
+        """Start ``argv`` in a new process group. ``show``: output as ``[name] ...`` lines, ``"raw"``,
+        or only its ``"tail"`` kept; ``stdin="pipe"``: a pipe never written, closed when the job stops."""
         popen = subprocess.Popen(
             list(argv), env=dict(env), stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
@@ -281,10 +278,8 @@ class Backend:
 
 
 def run_job(spec: JobSpec, backend: Backend) -> int:
-    """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``); the launcher's exit status.
-    Blocks until the job ends (for YARN and Kubernetes: until it is submitted). A bad option, a
-    missing tool or an unreachable host raises :class:`LaunchError` before anything starts;
-    whatever goes wrong later stops everything that was started."""
+    """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``) until it ends or is submitted;
+    the exit status. A bad option, tool or host raises :class:`LaunchError` before anything starts."""
     here = bool(spec.num_servers) and backend.address is not None
     if spec.dry_run:
         try:
@@ -311,11 +306,10 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
         status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)
         return status
-    except FileNotFoundError as exc:
+    except BaseException as exc:
         ctx.stop_all()
-        raise LaunchError(f"cannot start {exc.filename}: {exc.strerror}") from None
-    except BaseException:
-        ctx.stop_all()
+        if isinstance(exc, FileNotFoundError):
+            raise LaunchError(f"cannot start {exc.filename}: {exc.strerror}") from None
         raise
     finally:
         for sig, handler in old.items():
@@ -324,9 +318,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
 
 
 def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:
-    """Start the scheduler here, bound to ``backend.address``; the port it chose. Blocks until
-    the scheduler reports it through a pipe (``PSKV_PORT_FD``); one that exits first, or takes
-    longer than ``PSKV_START_TIMEOUT``, is a :class:`LaunchError`."""
+    """Start the scheduler here, bound to ``backend.address``; the port it reports through a pipe
+    (``PSKV_PORT_FD``). :class:`LaunchError` if it exits first or takes over ``PSKV_START_TIMEOUT``."""
     assert backend.address is not None
     read_fd, write_fd = os.pipe()
     env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env}
@@ -360,8 +353,7 @@ def require_tool(name: str, launcher: str, hint: str = "") -> str:
 
 
 def run_quiet(argv: Sequence[str], timeout: float = 60.0, input: Optional[str] = None) -> subprocess.CompletedProcess[str]:
-    """Run a short helper command, its output captured (``input`` on its stdin); a hang is a
-    :class:`LaunchError`."""
+    """Run a short helper command, its output captured; a hang is a :class:`LaunchError`."""
     try:
         stdin = None if input is not None else subprocess.DEVNULL
         return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, input=input, stdin=stdin)

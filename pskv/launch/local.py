@@ -56,11 +56,8 @@ def launch_local(
     role_extra: Optional[Mapping[str, Mapping[str, str]]] = None, timeout: Optional[float] = None,
     quiet: bool = False, peak_rss_mb: Optional[dict[str, float]] = None,
 ) -> int:  # fmt: skip
-    """Run a job on this machine; the exit status (0 when every worker succeeded). Blocks until
-    the job ends. ``extra_env`` goes to every process, ``role_extra["server"]`` / ``["worker"]``
-    to one role. ``quiet``: show worker 0's output as it is and keep the others' for a failure
-    report (as ``pskv train`` does). ``peak_rss_mb`` receives each process's peak memory by name.
-    """
+    """Run a job on this machine until it ends; the exit status. ``role_extra``: env by role; ``quiet``:
+    only worker 0's output, as it is; ``peak_rss_mb`` receives each process's peak memory by name."""
     role_env = {r: dict((role_extra or {}).get(r, {})) for r in ROLES}
     spec = JobSpec(num_workers, num_servers, list(command), dict(extra_env or {}), role_env, timeout=timeout)
     local = Local(spec, quiet)

@@ -111,9 +111,8 @@ def place(count: int, hosts: Sequence[Host]) -> list[Host]:
 
 
 def scheduler_address(environ: Mapping[str, str], towards: Sequence[str] = ()) -> str:
-    """The address the scheduler (here) binds and every process connects to: ``DMLC_NODE_HOST``,
-    else the address of ``DMLC_INTERFACE``, else the route's to the first of ``towards`` (the
-    job's hosts) that is not a loopback address (127.0.0.1 when all are)."""
+    """The address the scheduler (here) binds and every process connects to; ``towards``: the job's
+    hosts (docs/launchers/README.md, "Where the scheduler runs")."""
     from ..ps.node import interface_address, route_address
 
     node_host = environ.get("DMLC_NODE_HOST", "").strip()
@@ -194,11 +193,9 @@ class JobSpec:
         self, role: str, root_uri: str, port: Optional[int], rank: Optional[int] = None, *,
         base: Optional[Mapping[str, str]] = None, torch: Optional[Mapping[str, str]] = None,
     ) -> dict[str, str]:  # fmt: skip
-        """The environment of one process of ``role`` (``"scheduler"``, ``"server"``, ``"worker"``).
-        It starts from ``base`` (this machine's environment, for a process started here), by
-        default from the launcher's forwarded ``PSKV_*`` and ``DMLC_INTERFACE``. ``rank`` sets the
-        id where the launcher knows it; ``port`` None (no scheduler) leaves ``DMLC_PS_ROOT_PORT``
-        out. Workers also get ``torch`` (``LOCAL_RANK``, ...). ``--env-ROLE`` comes last, so it wins."""
+        """The environment of one process of ``role``, from ``base`` (default: the forwarded ``PSKV_*``
+        and ``DMLC_INTERFACE``); its id if ``rank`` is given; no ``DMLC_PS_ROOT_PORT`` if ``port`` is
+        None; ``torch`` (``LOCAL_RANK``, ...) for a worker; ``--env-ROLE`` last, so it wins."""
         if base is None:
             base = {k: v for k, v in self.environ.items() if k.startswith(FORWARDED) and k not in NOT_FORWARDED}
         env = {**base, **self.env, "DMLC_ROLE": role, "DMLC_PS_ROOT_URI": root_uri, "PYTHONUNBUFFERED": "1"}
@@ -216,8 +213,7 @@ class JobSpec:
 
 
 def free_port() -> int:
-    """A port of 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` only; pskv's own
-    ports are never guessed)."""
+    """A port of 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` only)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]

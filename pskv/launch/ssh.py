@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple, Optional
@@ -126,11 +127,7 @@ class Ssh(Backend):
         spec = self.spec
         assert self.address is not None
         workers = place(spec.num_workers, spec.hosts)
-        per_dest: dict[Destination, int] = {}  # workers on each machine, and the local rank of each
-        local_rank = []
-        for h in workers:
-            local_rank.append(per_dest.get(self.dests[h], 0))
-            per_dest[self.dests[h]] = local_rank[-1] + 1
+        per_dest = Counter(self.dests[h] for h in workers)  # workers on each machine
         master = {"MASTER_ADDR": self.dests[workers[0]].hostname, "MASTER_PORT": str(free_port())}
         started: dict[Destination, int] = {}  # clients started to each machine so far
         out = []
@@ -138,7 +135,8 @@ class Ssh(Backend):
             for rank, h in enumerate(hosts):
                 dest = self.dests[h]
                 n = per_dest[dest] if role == "worker" else 0  # workers on this machine
-                torch = {"LOCAL_RANK": str(local_rank[rank]), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
+                local_rank = sum(self.dests[w] == dest for w in workers[:rank])
+                torch = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
                 env = spec.process_env(role, self.address, port, rank, torch=torch)
                 guard = spec.guarded(role, "--watch-stdin", "--workers-here", str(n), "--grace", REMOTE_GRACE)
                 wave = started.get(dest, 0)
