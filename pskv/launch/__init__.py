@@ -60,9 +60,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
            "for): lines 'host', 'host:port' (ssh port), 'host slots=N' (weight in the round-robin placement); '#' comments")  # fmt: skip
     option("--sync-dst-dir", used_by=("ssh", "mpi"), metavar="DIR",
            help="ssh, mpi: copy the working directory to DIR on every host with rsync first, and run from there")  # fmt: skip
-    option("--env", action="append", default=[], metavar="NAME[:VALUE]", help="environment for every process")
-    option("--env-server", action="append", default=[], metavar="NAME[:VALUE]", help="environment for servers only")
-    option("--env-worker", action="append", default=[], metavar="NAME[:VALUE]", help="environment for workers only")
+    for suffix, whom in (("", "every process"), ("-server", "servers only"), ("-worker", "workers only")):
+        option(f"--env{suffix}", action="append", default=[], metavar="NAME[:VALUE]", help=f"environment for {whom}")
     option("--timeout", type=float, help="stop the job after this many seconds")
     option("--python", used_by=cluster, help="the Python interpreter on the cluster's hosts, which must import pskv "
            "(default: python3; the local launcher always uses the one running pskv)")  # fmt: skip

@@ -130,8 +130,7 @@ class Guard:
         self.stop_signal = signal.SIGTERM
         self.stopping = threading.Event()
         self.lock = threading.Lock()
-        # a session leader (an ssh session, a Grid Engine job script) keeps COMMAND in its session,
-        # where everything is the job's; elsewhere (mpirun's, srun's tasks) COMMAND gets its own
+        # a session leader (ssh, Grid Engine) keeps COMMAND in its session; elsewhere it gets its own
         self.own_session = os.getsid(0) == os.getpid()
 
     def say(self, text: str, named: bool = True) -> None:

@@ -31,8 +31,7 @@ from .spec import SERVE, JobSpec
 
 Show = Literal["prefix", "raw", "tail"]
 Stdin = Literal["devnull", "pipe"]
-#: what a guard writes when its command fails ("pskv guard: worker 1 failed: ..."); a launcher whose
-#: one client stands for many processes (mpirun, srun) quotes it and takes its status
+#: a guard's failure line ("pskv guard: worker 1 failed: ..."), quoted in the report, its status taken
 GUARD_FAILURE = ("pskv guard: ", " failed: ")
 
 

@@ -3,6 +3,7 @@ hostfile, running the guard (docs/launchers/ssh.md shows the commands)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -45,13 +46,11 @@ def destinations(spec: JobSpec, hosts: Sequence[Host]) -> dict[Host, Destination
     out: dict[Host, Destination] = {}
     for h in hosts:
         fields: dict[str, str] = {}
-        try:
+        with contextlib.suppress(LaunchError):  # no ssh here: the names are taken as they are
             res = run_quiet([*ssh_argv(spec, h), "-G", h.name], timeout=30)
             for line in res.stdout.splitlines() if res.returncode == 0 else []:
                 key, _, value = line.partition(" ")
                 fields.setdefault(key.lower(), value.strip())
-        except LaunchError:
-            pass  # no ssh here: the names are taken as they are
         user, _, name = h.name.rpartition("@")
         proxy = fields.get("proxyjump", "") + fields.get("proxycommand", "")
         out[h] = Destination(fields.get("hostname", name), fields.get("port", str(h.port or 22)), fields.get("user", user), proxy)

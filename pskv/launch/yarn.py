@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import tempfile
 from typing import Any, Optional
@@ -60,13 +59,10 @@ class Yarn(Backend):
                 f.write(self.text)
             ctx.report(f"wrote the YARN service spec to {self.spec.output}; submit it with: {shlex.join(self.submit)}")
             return
-        fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.text)
-            res = run_quiet([*self.submit[:4], path, *self.submit[5:]], timeout=600)
-        finally:
-            os.unlink(path)
+        with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".json") as f:
+            f.write(self.text)
+            f.flush()
+            res = run_quiet([*self.submit[:4], f.name, *self.submit[5:]], timeout=600)
         success = f"launched YARN service {name}; follow it with `yarn app -status {name}`, stop it with `yarn app -destroy {name}`"
         submitted(ctx, "yarn app -launch", res, success)
 
