@@ -233,7 +233,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--status-dir", metavar="DIR", help="write ROLE.RANK.status with the exit status there")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="SIGKILL this long after SIGTERM (default 5)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command (after --)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         p.error("no command to run (python -m pskv.launch.guard [options] -- COMMAND ...)")
