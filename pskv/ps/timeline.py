@@ -37,15 +37,14 @@ def start(role: str, rank: int) -> None:
     atexit.register(_dump)
 
 
-def now() -> float:
-    return time.perf_counter()
+now = time.perf_counter
 
 
-def span(name: str, begin: float, end: Optional[float] = None, **args: Any) -> None:
-    """Record ``name`` from ``begin`` to ``end`` (now by default); ``args`` are shown with it."""
+def span(name: str, begin: float, **args: Any) -> None:
+    """Record ``name`` from ``begin`` to now; ``args`` are shown with it."""
     if not on:
         return
-    end = time.perf_counter() if end is None else end
+    end = time.perf_counter()
     ident = threading.get_ident()
     with _lock:
         if ident not in _threads:  # a thread seen for the first time: name its row

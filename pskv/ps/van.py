@@ -29,8 +29,8 @@ class Van:
 
     MAX_BATCH = 256  # messages taken from one socket per recv, so no peer starves the others
 
-    def __init__(self, context: Optional[zmq.Context[zmq.Socket[bytes]]] = None):
-        self._ctx = context or zmq.Context.instance()
+    def __init__(self) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: Optional[zmq.Socket[bytes]] = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._names: dict[zmq.Socket[bytes], str] = {}
@@ -97,11 +97,9 @@ class Van:
         done = tracker
 
         def wait(timeout: float) -> bool:
-            try:
+            with contextlib.suppress(zmq.NotDone):
                 done.wait(timeout)
-            except zmq.NotDone:
-                return False
-            return True
+            return done.done
 
         return wait
 
