@@ -1,8 +1,5 @@
-"""Which server holds which elements of a key: pure functions of (key, size, servers).
-
-Arrays below ``bound`` elements live whole on one server (Fibonacci hashing of the key); larger
-ones are cut into one contiguous, row-aligned slice per server, and slices into parts of at most
-``chunk`` elements (docs/DESIGN.md, "Keys, parts and placement"). Imports nothing from pskv.
+"""Which server holds which elements of a key: pure functions of (key, size, servers), by the
+rules of docs/DESIGN.md ("Keys, parts and placement"). Imports nothing from pskv.
 
 >>> [p.server for p in place(key=0, numel=4_000_000, num_servers=2, bound=1_000_000)]
 [0, 1]

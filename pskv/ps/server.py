@@ -1,8 +1,6 @@
-"""A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds`.
+"""A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds` (docs/DESIGN.md).
 
-It decodes each request into tensors (payload frames, or slots of the worker's shared memory),
-hands it to the round engine and gathers the answers into one message per request. A bad
-request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
+A bad request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off).
-
-Each process records spans with the clock its host shares and writes them at exit as a Chrome
-trace, ``path.<role>-<rank>.json``; ``pskv launch`` merges them into ``path`` (:func:`merge`).
-Open it in https://ui.perfetto.dev: one row per process and thread (docs/DESIGN.md).
+"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off;
+docs/DESIGN.md). Each process writes its spans at exit to ``path.<role>-<rank>.json`` with the
+clock its host shares; ``pskv launch`` merges them into ``path`` (:func:`merge`).
 
 >>> t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)
 """
