@@ -1,13 +1,11 @@
-"""pskv's wire format. A message is one zmq multipart message::
+"""pskv's wire format (docs/DESIGN.md, "A round of dist_sync"). A message is one zmq multipart message::
 
     frame 0   header: magic b"PSKV", version, type, request id, metadata length (HEADER, 20 bytes)
     frame 1   JSON metadata, iff its length is not 0 (at most MAX_META bytes)
     frame 2.. payload: a table of int64 rows (:class:`Layout`), then raw tensor bytes, never pickled
 
-Data requests (INIT, PUSH, PULL) carry many parts in one message, a row per part (ps-lite's
-KVPairs); their answers list the rows answered so far (:data:`ANSWER`). Decoding checks every
-field (:class:`~pskv.errors.ProtocolError`); nothing received is evaluated. Torch is imported
-only inside the tensor helpers: the scheduler does not load it.
+Decoding checks every field (:class:`~pskv.errors.ProtocolError`); nothing received is evaluated.
+Torch is imported only inside the tensor helpers: the scheduler does not load it.
 """
 
 from __future__ import annotations
@@ -97,9 +95,8 @@ class PushKind(enum.IntEnum):
 
 #: a pushed part: ``frames`` payload frames follow in row order; ``fd`` >= 0: the dense bytes are
 #: at ``offset`` in the sender's shared-memory arena ``fd`` instead; ``held`` 1: the round's
-#: update waits for the rescale a pull brings (the Trainer's pushes, sent before it knows the
-#: batch); ``reply`` 1: answered, once its round is complete, with the part's value (pushpull:
-#: no pull request that would queue behind the rest of the pushes)
+#: update waits for the rescale a pull brings; ``reply`` 1: answered with the part's value once
+#: its round is complete (docs/DESIGN.md, "The exchange as a pipeline")
 PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held", "reply")
 #: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
 #: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
@@ -183,9 +180,9 @@ def decode(frames: Sequence[Buffer]) -> Message:
     return Message(kind, req_id, meta, rest)
 
 
-def error_reply(request: Message, exc: BaseException) -> Message:
-    """An ERROR reply carrying ``exc``'s class name and text."""
-    return request.reply(Type.ERROR, meta={"kind": type(exc).__name__, "message": str(exc)})
+def error_reply(request: Message | None, exc: BaseException) -> Message:
+    """An ERROR reply to ``request`` (None: to frames that did not decode): ``exc``'s class name and text."""
+    return Message(Type.ERROR, request.req_id if request else 0, {"kind": type(exc).__name__, "message": str(exc)})
 
 
 # -- tensors <-> frames (torch imported lazily) --------------------------------------------------

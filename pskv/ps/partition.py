@@ -1,8 +1,5 @@
-"""Which server holds which elements of a key: pure functions of (key, size, servers).
-
-Arrays below ``bound`` elements live whole on one server (Fibonacci hashing of the key); larger
-ones are cut into one contiguous, row-aligned slice per server, and slices into parts of at most
-``chunk`` elements (docs/DESIGN.md, "Keys, parts and placement"). Imports nothing from pskv.
+"""Which server holds which elements of a key: pure functions of (key, size, servers), by the
+rules of docs/DESIGN.md ("Keys, parts and placement"). Imports nothing from pskv.
 
 >>> [p.server for p in place(key=0, numel=4_000_000, num_servers=2, bound=1_000_000)]
 [0, 1]
@@ -38,12 +35,7 @@ def server_of(key: int, num_servers: int) -> int:
 
 
 def place(
-    key: int,
-    numel: int,
-    num_servers: int,
-    bound: int,
-    row_numel: int = 1,
-    chunk: Optional[int] = None,
+    key: int, numel: int, num_servers: int, bound: int, row_numel: int = 1, chunk: Optional[int] = None
 ) -> list[Part]:
     """The parts of ``key`` (``numel`` elements; rows of ``row_numel`` elements stay whole).
 
@@ -63,12 +55,7 @@ def place(
                 slices.append((s, lo * row_numel, hi * row_numel))
     parts: list[Part] = []
     for server, start, stop in slices:
-        step = stop - start if not chunk else max(row_numel, chunk // row_numel * row_numel)
-        pos = start
-        while True:
-            end = min(stop, pos + step) if step else stop
-            parts.append(Part(len(parts), server, pos, end))
-            pos = end
-            if pos >= stop:
-                break
+        step = max(row_numel, chunk // row_numel * row_numel) if chunk else max(stop - start, 1)
+        for pos in range(start, max(stop, start + 1), step):  # an empty slice is one empty part
+            parts.append(Part(len(parts), server, pos, min(stop, pos + step)))
     return parts

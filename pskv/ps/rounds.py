@@ -1,9 +1,5 @@
-"""A server's parts and their rounds, as a pure state machine: no sockets, no threads.
-
-Every method of :class:`Rounds` takes one decoded request, checks all of it before changing
-anything, and returns the :class:`Answer`\\s to send now; what waits is answered by the call
-that completes it. docs/DESIGN.md ("A round of dist_sync") tells the rounds' rules.
-"""
+"""A server's parts and their rounds, as a pure state machine: no sockets, no threads
+(docs/DESIGN.md, "A round of dist_sync", tells the rules)."""
 
 from __future__ import annotations
 
@@ -62,7 +58,6 @@ class InitEntry(NamedTuple):
     dtype: torch.dtype
     numel: int
     row_numel: int
-    row_sparse: bool
     value: Optional[Tensor]  # worker 0's, flat
 
 
@@ -90,7 +85,6 @@ class Part:
     dtype: torch.dtype
     numel: int
     row_numel: int
-    row_sparse: bool
     mode: str  # "sync" | "async"
     value: Optional[Tensor] = None  # rows x row_numel, once worker 0's INIT arrived
     home: Any = None  # where the server keeps the value (its shared-memory slot), opaque here
@@ -122,8 +116,9 @@ class Part:
 class Rounds:
     """Every part one server holds, its rounds and the requests that wait on them. Single-threaded.
 
-    ``storage(part)`` makes room for a part's value (``rows x row_numel``); the server puts it in
-    shared memory. ``timeout`` is how long a request may wait (``PSKV_TIMEOUT``).
+    Each method checks a whole request before changing anything and returns the answers to send
+    now. ``storage(part)`` makes room for a part's value (``rows x row_numel``); ``timeout`` is
+    how long a request may wait (``PSKV_TIMEOUT``).
     """
 
     def __init__(self, num_workers: int, timeout: float, storage: Optional[Callable[[Part], Tensor]] = None):
@@ -168,7 +163,7 @@ class Rounds:
         for i, e in enumerate(entries):
             p = self.parts.get((e.key, e.part))
             if p is None:
-                p = self.parts[(e.key, e.part)] = Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, e.row_sparse, mode)
+                p = self.parts[(e.key, e.part)] = Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode)
             p.initialised_by.add(rank)
             p.inits.append(Waiting(req, i))
             if e.value is not None:
@@ -186,8 +181,8 @@ class Rounds:
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
-            if e.reply and self._blocker(p, e.round):
-                raise self._blocker(p, e.round)  # type: ignore[misc]
+            if e.reply and (blocker := self._blocker(p, e.round)):
+                raise blocker
             if p.mode == "async" and self.optimizer is None:
                 raise OptimizerRequiredError(
                     f"key {p.name}: dist_async applies pushes on the servers and needs an optimizer; call set_optimizer first"
@@ -274,8 +269,7 @@ class Rounds:
                 raise ProtocolError(f"{p}: worker {rank} pulls round {e.round} but pushed only {p.pushed.get(rank, 0)}")
             if e.rows is not None and e.rows.numel() and (int(e.rows.min()) < 0 or int(e.rows.max()) >= p.rows):
                 raise ProtocolError(f"{p}: row ids outside [0, {p.rows})")
-            blocker = self._blocker(p, e.round) if p.mode == "sync" and e.round > p.rounds else None
-            if blocker:
+            if p.mode == "sync" and e.round > p.rounds and (blocker := self._blocker(p, e.round)):
                 raise blocker
         out: list[Answer] = []
         for i, e in enumerate(entries):

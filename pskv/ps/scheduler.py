@@ -46,10 +46,9 @@ class _Barrier:
 class Scheduler:
     """Runs the scheduler of one job; :meth:`run` returns the process exit status."""
 
-    def __init__(self, env: JobEnv, van: Optional[Van] = None, endpoint: Optional[str] = None):
+    def __init__(self, env: JobEnv):
         self.env = env
-        self.van = van or Van()
-        self.endpoint = endpoint or env.scheduler_endpoint
+        self.van = Van()
         self.nodes: dict[str, _Node] = {}
         self.started = False
         self.barriers: dict[str, _Barrier] = {}
@@ -62,8 +61,12 @@ class Scheduler:
         if self.log:
             print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
 
-    def _members(self, role: str) -> list[_Node]:
-        return sorted((n for n in self.nodes.values() if n.role == role), key=lambda n: n.rank)
+    def _members(self, group: str) -> list[_Node]:
+        """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
+        if group not in ("server", "worker", "all"):
+            raise ClusterError(f"unknown barrier group {group!r}")
+        nodes = [n for n in self.nodes.values() if group in (n.role, "all")]
+        return sorted(nodes, key=lambda n: (n.role, n.rank))  # "server" < "worker"
 
     def _send(self, node: _Node, msg: Message) -> None:
         try:
@@ -79,7 +82,7 @@ class Scheduler:
     # -- main loop --------------------------------------------------------------------------------
 
     def run(self) -> int:
-        bound = self.van.listen(self.endpoint)
+        bound = self.van.listen(self.env.scheduler_endpoint)
         self._report_port(bound)
         self._say(f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
         start_deadline = time.monotonic() + config.start_timeout()
@@ -87,7 +90,7 @@ class Scheduler:
             while self.status is None:
                 for peer, msg in self.van.recv(0.25):
                     if isinstance(msg, Exception):
-                        self.van.send(peer, Message(Type.ERROR, meta={"kind": "ProtocolError", "message": str(msg)}))
+                        self.van.send(peer, error_reply(None, msg))
                         continue
                     try:
                         self._handle(peer, msg)
@@ -173,26 +176,19 @@ class Scheduler:
         have_s, have_w = len(self._members("server")), len(self._members("worker"))
         missing = (
             f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
-            f"{self.env.num_workers} workers registered with the scheduler at {self.endpoint}"
+            f"{self.env.num_workers} workers registered with the scheduler at {self.env.scheduler_endpoint}"
         )
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
-            self._send(n, Message(Type.ERROR, meta={"kind": "DeadlineExceeded", "message": str(exc)}))
+            self._send(n, error_reply(None, exc))
         print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         self.status = 1
 
     # -- barriers -----------------------------------------------------------------------------------
 
-    def _group(self, group: str) -> list[_Node]:
-        if group == "all":
-            return self._members("server") + self._members("worker")
-        if group in ("server", "worker"):
-            return self._members(group)
-        raise ClusterError(f"unknown barrier group {group!r}")
-
     def _barrier(self, node: _Node, msg: Message) -> None:
         group = str((msg.meta or {}).get("group", "worker"))
-        members = self._group(group)
+        members = self._members(group)
         gone = [n for n in members if n.finished]
         if gone:
             raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
@@ -214,7 +210,7 @@ class Scheduler:
     def _check_barriers(self, now: float) -> None:
         for group, bar in list(self.barriers.items()):
             if now - bar.started > self.timeout:
-                members = self._group(group)
+                members = self._members(group)
                 missing = [n.rank for n in members if n.peer not in bar.waiting]
                 here = sorted(self.nodes[p].rank for p in bar.waiting)
                 gap = f"{group} ranks {missing} (arrived: {here})"
@@ -230,7 +226,7 @@ class Scheduler:
         self._say(f"{node} finished")
         self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
         for group in list(self.barriers):
-            if node in self._group(group):
+            if node in self._members(group):
                 self._fail_barrier(group, finished_without(str(node), f"reaching the barrier of the {group}s"))
         if all(n.finished for n in self._members("worker")):
             self._broadcast(Message(Type.SHUTDOWN), roles=("server",))

@@ -1,8 +1,6 @@
-"""A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds`.
+"""A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds` (docs/DESIGN.md).
 
-It decodes each request into tensors (payload frames, or slots of the worker's shared memory),
-hands it to the round engine and gathers the answers into one message per request. A bad
-request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
+A bad request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ from .message import (
 )
 from .node import JobEnv, Node, failure
 from .rounds import Answer, InitEntry, Part, PullEntry, PushEntry, Rounds
-from .van import Van
 
 
 @dataclass(eq=False)
@@ -67,15 +64,15 @@ class _Frames:
 class Server(Node):
     """One server process (or thread, in tests); :meth:`run` returns the exit status."""
 
-    def __init__(self, env: JobEnv, van: Optional[Van] = None):
-        super().__init__(env, van)
+    def __init__(self, env: JobEnv):
+        super().__init__(env)
         self.status: Optional[int] = None
         self.shm = shm.mode() != "0"
         self.shared = shm.Shared()
         self.ranks: dict[str, int] = {}  # connection -> the worker that said HELLO on it
         self.reply_to: dict[str, str] = {}  # connection -> where the answers to its requests go
         self.routes: dict[int, str] = {}  # worker -> the connection it reads answers from
-        self.rounds = Rounds(env.num_workers, config.timeout(), self._storage)
+        self.rounds = Rounds(env.num_workers, config.timeout(), self._storage if self.shm else None)
         self._outbox: dict[_Request, tuple[list[tuple[int, int, int, int]], list[Any]]] = {}
 
     # -- loop -------------------------------------------------------------------------------------
@@ -121,7 +118,7 @@ class Server(Node):
 
     def _dispatch(self, peer: str, msg: Message | ProtocolError) -> None:
         if isinstance(msg, ProtocolError):
-            self._send(peer, Message(Type.ERROR, meta={"kind": "ProtocolError", "message": str(msg)}))
+            self._send(peer, error_reply(None, msg))
             return
         if peer == "scheduler":
             self.heard_from_scheduler()
@@ -174,9 +171,7 @@ class Server(Node):
             elif a.part is not None and a.part.home is not None and req.shm[a.entry]:
                 fd, offset = a.part.home  # the worker copies the value out of our shared memory
                 rows.append((a.entry, fd, offset, a.part.nbytes))
-            else:
-                # a sync value cannot change before this worker pushes again, which it does only
-                # after this answer arrived, so it goes without a copy
+            else:  # a sync value goes without a copy (docs/DESIGN.md, "Two data paths")
                 rows.append((a.entry, -1, 0, a.value.numel() * a.value.element_size()))
                 frames.append(tensor_frame(a.value))
 
@@ -241,8 +236,8 @@ class Server(Node):
     def _init_entries(self, msg: Message, rank: int) -> list[InitEntry]:
         try:
             entries = [
-                InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), bool(row_sparse), None)
-                for key, index, dtype, numel, row_numel, row_sparse, name in (msg.meta or {})["parts"]
+                InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), None)
+                for key, index, dtype, numel, row_numel, _row_sparse, name in (msg.meta or {})["parts"]
             ]
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad INIT metadata: {exc!r}") from None
@@ -300,9 +295,7 @@ class Server(Node):
         return entries
 
     def _storage(self, p: Part) -> Tensor:
-        """Room for a part's value: in shared memory (pulls are answered with its slot), else private."""
-        if not self.shm:
-            return torch.empty(p.rows, p.row_numel, dtype=p.dtype)
+        """Room for a part's value in shared memory: pulls are answered with its slot."""
         arena, offset = self.shared.slot(p.nbytes)
         p.home = (arena.fd, offset)
         return arena.tensor(offset, p.numel, p.dtype).view(p.rows, p.row_numel)

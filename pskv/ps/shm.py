@@ -1,11 +1,5 @@
-"""Shared memory between nodes on one host, and the whole protocol of using it.
-
-An :class:`Arena` is an anonymous memory file (``memfd_create``) carved into slots, mapped by a
-peer through ``/proc/<pid>/fd/<fd>`` after its header's random token is checked (SHM_PROBE at
-connection: :meth:`Shared.probe`, :meth:`Shared.accept`). A push sends only (fd, offset) of the
-worker's slot and is acknowledged once merged; a pull is answered with the server's slot.
-``PSKV_SHM``: ``auto``, ``0`` (never) or ``1`` (an error if it fails). docs/DESIGN.md says more.
-"""
+"""Shared memory between nodes on one host: arenas carved into slots, mapped by peers after a
+token check (docs/DESIGN.md, "Two data paths", tells the protocol)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off).
-
-Each process records spans with the clock its host shares and writes them at exit as a Chrome
-trace, ``path.<role>-<rank>.json``; ``pskv launch`` merges them into ``path`` (:func:`merge`).
-Open it in https://ui.perfetto.dev: one row per process and thread (docs/DESIGN.md).
+"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off;
+docs/DESIGN.md). Each process writes its spans at exit to ``path.<role>-<rank>.json`` with the
+clock its host shares; ``pskv launch`` merges them into ``path`` (:func:`merge`).
 
 >>> t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)
 """
@@ -37,15 +35,14 @@ def start(role: str, rank: int) -> None:
     atexit.register(_dump)
 
 
-def now() -> float:
-    return time.perf_counter()
+now = time.perf_counter
 
 
-def span(name: str, begin: float, end: Optional[float] = None, **args: Any) -> None:
-    """Record ``name`` from ``begin`` to ``end`` (now by default); ``args`` are shown with it."""
+def span(name: str, begin: float, **args: Any) -> None:
+    """Record ``name`` from ``begin`` to now; ``args`` are shown with it."""
     if not on:
         return
-    end = time.perf_counter() if end is None else end
+    end = time.perf_counter()
     ident = threading.get_ident()
     with _lock:
         if ident not in _threads:  # a thread seen for the first time: name its row

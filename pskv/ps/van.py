@@ -29,8 +29,8 @@ class Van:
 
     MAX_BATCH = 256  # messages taken from one socket per recv, so no peer starves the others
 
-    def __init__(self, context: Optional[zmq.Context[zmq.Socket[bytes]]] = None):
-        self._ctx = context or zmq.Context.instance()
+    def __init__(self) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: Optional[zmq.Socket[bytes]] = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self._names: dict[zmq.Socket[bytes], str] = {}
@@ -39,7 +39,7 @@ class Van:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self._closed = False
+        self.closed = False
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
@@ -97,11 +97,9 @@ class Van:
         done = tracker
 
         def wait(timeout: float) -> bool:
-            try:
+            with contextlib.suppress(zmq.NotDone):
                 done.wait(timeout)
-            except zmq.NotDone:
-                return False
-            return True
+            return done.done
 
         return wait
 
@@ -131,10 +129,6 @@ class Van:
                     out.append((peer, exc))
         return out
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def wake(self) -> None:
         """Make a blocked :meth:`recv` return now; safe from any thread."""
         fd = self._wake_w
@@ -145,9 +139,9 @@ class Van:
 
     def close(self, linger: float = 1.0) -> None:
         """Close every connection, trying for ``linger`` seconds to deliver what is queued."""
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         for sock in [*self._dealers.values(), *([self._router] if self._router is not None else [])]:
             sock.setsockopt(zmq.LINGER, int(linger * 1000))
             sock.close()

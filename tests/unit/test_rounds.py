@@ -27,7 +27,7 @@ from pskv.ps.rounds import Answer, InitEntry, PullEntry, PushEntry, Rounds
 
 
 def entry(key: int = 0, numel: int = 4, value: Optional[torch.Tensor] = None, row_numel: int = 1) -> InitEntry:
-    return InitEntry(key, 0, str(key), torch.float32, numel, row_numel, False, value)
+    return InitEntry(key, 0, str(key), torch.float32, numel, row_numel, value)
 
 
 def made(workers: int, numel: int = 4, mode: str = "sync") -> Rounds:
