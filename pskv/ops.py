@@ -8,11 +8,6 @@ import torch
 from torch import Tensor
 
 
-def is_row_sparse(t: Tensor) -> bool:
-    """A sparse COO tensor whose indices select whole rows (``sparse_dim() == 1``)."""
-    return t.layout == torch.sparse_coo and t.sparse_dim() == 1
-
-
 def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
     """The sum of ``values`` made on ``device``, never aliasing an input: row-sparse (coalesced)
     if every value is, else dense."""

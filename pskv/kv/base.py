@@ -25,7 +25,6 @@ from torch import Tensor
 
 from .. import errors
 from ..compression import Compressor
-from ..ops import is_row_sparse
 from ..optim import Optimizer, load_states, save_states
 from ..ps.tracker import Handle
 
@@ -154,7 +153,7 @@ class KVStore(ABC):
                 raise errors.InvalidValueError(f"key {key!r}: {what} must be a torch.Tensor, got {type(v).__name__}")
             if v.layout not in (torch.strided, torch.sparse_coo):
                 raise errors.InvalidValueError(f"key {key!r}: {what} has unsupported layout {v.layout}")
-            if v.is_sparse and not is_row_sparse(v):
+            if v.is_sparse and v.sparse_dim() != 1:
                 raise errors.SparseError(
                     f"key {key!r}: a sparse {what} must be row-sparse (sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}"
                 )
