@@ -77,12 +77,9 @@ class Codec:
 
     def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""
-        if self.type == "2bit":
-            codes = _unpack(wire, 2, numel)
-            out = torch.zeros(numel, dtype=dtype, device=wire.device)
-            out[codes == 1] = self.threshold
-            out[codes == 2] = -self.threshold
-            return out
+        if self.type == "2bit":  # codes 1 and 2 stand for +t and -t, 0 (and 3, never sent) for 0
+            values = torch.tensor([0.0, self.threshold, -self.threshold, 0.0], dtype=dtype, device=wire.device)
+            return values[_unpack(wire, 2, numel)]
         if self.type == "1bit":
             return (_unpack(wire, 1, numel) * 2 - 1).to(dtype)
         return wire.reshape(-1).to(dtype)
