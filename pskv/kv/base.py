@@ -49,7 +49,8 @@ class KeyMeta:
 
     @property
     def row_numel(self) -> int:
-        return self.numel // self.shape[0] if len(self.shape) and self.shape[0] else 0
+        """Elements per row (the first dimension's); 1 for a scalar or an empty row."""
+        return max(1, self.numel // self.shape[0]) if len(self.shape) and self.shape[0] else 1
 
     def __str__(self) -> str:
         return f"key {self.key!r}"
