@@ -60,14 +60,11 @@ def finished_without(who: str, what: str) -> NodeFailedError:
 
 
 def from_reply(meta: Any, context: str = "") -> PSKVError:
-    """The exception an ERROR message's metadata carries, its text prefixed with ``context``."""
+    """The exception an ERROR message's metadata carries, its text prefixed with ``context``: the class
+    of this module its ``kind`` names (never evaluated), ``ClusterError`` if none."""
     meta = meta if isinstance(meta, dict) else {}
-    return error_class(str(meta.get("kind", "")))(f"{context}{meta.get('message', 'unknown error')}")
-
-
-def error_class(kind: str) -> type[PSKVError]:
-    """The class of this module named ``kind`` (never evaluated); ``ClusterError`` if unknown."""
-    return _BY_NAME.get(kind, ClusterError)
+    error_class = _BY_NAME.get(str(meta.get("kind", "")), ClusterError)
+    return error_class(f"{context}{meta.get('message', 'unknown error')}")
 
 
 _BY_NAME = {name: cls for name, cls in globals().items() if isinstance(cls, type) and issubclass(cls, PSKVError)}
