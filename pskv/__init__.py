@@ -45,23 +45,16 @@ if TYPE_CHECKING:
     from .data import split_and_load
     from .trainer import Trainer
 
-# name -> (module, attribute or None for the module itself)
-_LAZY = {
-    "compression": ("pskv.compression", None),
-    "data": ("pskv.data", None),
-    "kv": ("pskv.kv", None),
-    "optim": ("pskv.optim", None),
-    "split_and_load": ("pskv.data", "split_and_load"),
-    "Trainer": ("pskv.trainer", "Trainer"),
-}
+# Imported on first use: the submodules themselves, and names from them.
+_SUBMODULES = ("compression", "data", "kv", "optim")
+_NAMES = {"split_and_load": "pskv.data", "Trainer": "pskv.trainer"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module_name, attr = _LAZY[name]
-        module = importlib.import_module(module_name)
-        value = module if attr is None else getattr(module, attr)
-        globals()[name] = value
+    if name in _SUBMODULES:
+        return importlib.import_module(f"pskv.{name}")  # the import sets it on pskv too
+    if name in _NAMES:
+        value = globals()[name] = getattr(importlib.import_module(_NAMES[name]), name)
         return value
     raise AttributeError(f"module 'pskv' has no attribute {name!r}")
 

@@ -1,15 +1,8 @@
 """Gradient compression: what a worker sends instead of a dense float gradient.
 
-Every codec keeps a *residual* per key (and per device of a device list): the part of the
-gradient not sent yet, added to the next push. With ``r`` the residual and ``g`` the gradient:
-
-- ``2bit`` (threshold t > 0): ``r += g``; send ``+t`` where ``r >= t`` (then ``r -= t``), ``-t``
-  where ``r <= -t`` (then ``r += t``), else 0. 16 values per 32-bit word.
-- ``1bit`` (threshold t): ``r += g``; send ``+1`` where ``r > t`` (then ``r -= 1``), else ``-1``
-  (then ``r += 1``). 32 values per 32-bit word.
-- ``fp16`` / ``bf16``: ``r += g``; send ``r`` cast to half precision; ``r -= sent``.
-
-``init`` values are never compressed. Row-sparse pushes are sent as they are.
+The codecs are those of docs/SPEC.md, section 5 (``2bit``, ``1bit``, ``fp16``, ``bf16``). Each keeps
+a *residual* per key (and per device of a device list): the part of the gradient not sent yet,
+added to the next push. ``init`` values are never compressed; row-sparse pushes are sent as they are.
 
 >>> codec = Codec.create({"type": "2bit", "threshold": 0.5})
 >>> residual = torch.zeros(4)
@@ -84,12 +77,9 @@ class Codec:
 
     def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""
-        if self.type == "2bit":
-            codes = _unpack(wire, 2, numel)
-            out = torch.zeros(numel, dtype=dtype, device=wire.device)
-            out[codes == 1] = self.threshold
-            out[codes == 2] = -self.threshold
-            return out
+        if self.type == "2bit":  # codes 1 and 2 stand for +t and -t, 0 (and 3, never sent) for 0
+            values = torch.tensor([0.0, self.threshold, -self.threshold, 0.0], dtype=dtype, device=wire.device)
+            return values[_unpack(wire, 2, numel)]
         if self.type == "1bit":
             return (_unpack(wire, 1, numel) * 2 - 1).to(dtype)
         return wire.reshape(-1).to(dtype)

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import os
 from functools import partial
-from typing import TypeVar
+from typing import Optional, TypeVar
 
 T = TypeVar("T", int, float, str, bool)
 
 
-def getenv(name: str, default: T) -> T:
+def getenv(name: str, default: T, least: Optional[T] = None) -> T:
     """``name`` from the environment parsed as the type of ``default``, e.g. ``getenv("PSKV_TIMEOUT", 300.0)``.
-    Unset or empty gives ``default``; a value that does not parse is a ``ValueError`` naming it."""
+    Unset or empty gives ``default``; a value that does not parse is a ``ValueError`` naming it; one
+    below ``least`` is taken as ``least``."""
     raw = os.environ.get(name, "").strip()
     if raw == "":
         return default
@@ -42,13 +43,10 @@ def getenv(name: str, default: T) -> T:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        if isinstance(default, int):
-            return int(raw)
-        if isinstance(default, float):
-            return float(raw)
-        return raw
+        value = type(default)(raw)
     except ValueError:
         raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}") from None
+    return value if least is None else max(least, value)
 
 
 # One reader per setting of the table above.
@@ -56,6 +54,9 @@ timeout = partial(getenv, "PSKV_TIMEOUT", 300.0)
 start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0)
 heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0)
 verbose = partial(getenv, "PSKV_VERBOSE", False)
+chunk_bytes = partial(getenv, "PSKV_CHUNK_BYTES", 4 << 20, least=0)
+batch_bytes = partial(getenv, "PSKV_BATCH_BYTES", 8 << 20, least=1)
+server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2)), least=1)
 
 
 def heartbeat_interval() -> float:
@@ -67,15 +68,3 @@ def bigarray_bound() -> int:
     if bound < 1:
         raise ValueError(f"PSKV_BIGARRAY_BOUND must be positive, got {bound}")
     return bound
-
-
-def chunk_bytes() -> int:
-    return max(0, getenv("PSKV_CHUNK_BYTES", 4 << 20))
-
-
-def batch_bytes() -> int:
-    return max(1, getenv("PSKV_BATCH_BYTES", 8 << 20))
-
-
-def server_threads() -> int:
-    return max(1, getenv("PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2))))

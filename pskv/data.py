@@ -21,12 +21,9 @@ DeviceLike = Union[torch.device, str]
 
 
 class SplitSampler(Sampler[int]):
-    """Indices of one worker's part of a data set, reshuffled each epoch.
-
-    Part ``i`` is ``[i*L, (i+1)*L)`` with ``L = length // num_parts``; the last ``length % num_parts``
-    samples are never used, so every worker runs the same number of batches (in a synchronous
-    store a worker with one batch more would wait forever). ``shuffle`` permutes the part with a
-    generator seeded with ``seed + epoch``; each ``iter()`` uses the current epoch and advances it.
+    """Indices of one worker's part of a data set, reshuffled each epoch (docs/SPEC.md, section 7
+    and "SplitSampler epochs"): part ``i`` is ``[i*L, (i+1)*L)`` with ``L = length // num_parts``,
+    permuted by a generator seeded with ``seed + epoch``.
 
     >>> s = SplitSampler(10, num_parts=3, part_index=1, shuffle=False)
     >>> list(s), len(s)
@@ -67,10 +64,8 @@ class SplitSampler(Sampler[int]):
 
 
 def split_and_load(batch: Tensor, devices: Sequence[DeviceLike], batch_axis: int = 0, even_split: bool = True) -> list[Tensor]:
-    """Split ``batch`` along ``batch_axis`` into one part per device (views on the batch's own device).
-
-    With ``even_split`` the size must be a multiple of ``len(devices)``, else the first ``size % n``
-    parts get one row more; fewer rows than devices is a ``ValueError`` either way, as in MXNet.
+    """Split ``batch`` along ``batch_axis`` into one part per device (docs/SPEC.md, section 7);
+    fewer rows than devices is a ``ValueError`` either way, as in MXNet.
 
     >>> [len(p) for p in split_and_load(torch.arange(7), ["cpu"] * 3, even_split=False)]
     [3, 2, 2]

@@ -1,28 +1,5 @@
 """Every exception pskv raises, in one tree.
 
-::
-
-    PSKVError
-    ├── KVStoreError                  a store call was given something it cannot take (the store stays usable)
-    │   ├── KeyNotInitializedError    the key was never ``init``-ed
-    │   ├── DuplicateInitError        the key was ``init``-ed before
-    │   ├── KeyTypeError              a key that is not int/str, or int and str keys mixed
-    │   ├── ShapeMismatchError        a value's shape differs from the key's
-    │   ├── DTypeMismatchError        a value's dtype differs from the key's
-    │   ├── SparseError               row-sparse misuse (dense ``out`` for a row-sparse key, bad row ids)
-    │   ├── ValueCountError           lists of keys/values/outputs of different lengths, empty lists
-    │   ├── InvalidValueError         a value that is not a tensor (or list of tensors)
-    │   ├── OptimizerRequiredError    ``dist_async`` push without a server-side optimizer
-    │   └── StoreClosedError          a call after ``close()``
-    ├── OptimizerError                unknown optimizer, bad hyperparameter or state file (also ``ValueError``)
-    ├── CompressionError              bad gradient-compression parameters (also ``ValueError``)
-    ├── TrainerError                  a Trainer given parameters or settings it cannot use
-    ├── ClusterError                  the distributed system could not do what was asked
-    │   ├── DeadlineExceeded          a blocking call ran past ``PSKV_TIMEOUT`` (also ``TimeoutError``)
-    │   ├── NodeFailedError           a scheduler/server/worker died or left
-    │   └── ProtocolError             a malformed message arrived
-    └── LaunchError                   ``pskv launch`` could not start or keep a job running
-
 Errors raised on a server travel back to the worker as a kind name plus text, and are raised
 there as the class of that name (looked up in this module, never evaluated). The errors that
 say what a wait is missing (deadlines, lost and finished nodes) are worded at the end of this
@@ -35,27 +12,27 @@ from collections.abc import Mapping
 from typing import Any
 
 
-# The classes of the tree above; a builtin second base lets callers catch e.g. any bad value as ValueError.
+# The tree of errors; a builtin second base lets callers catch e.g. any bad value as ValueError.
 class PSKVError(Exception): ...
-class KVStoreError(PSKVError): ...
-class KeyNotInitializedError(KVStoreError): ...
-class DuplicateInitError(KVStoreError): ...
-class KeyTypeError(KVStoreError, TypeError): ...
-class ShapeMismatchError(KVStoreError, ValueError): ...
-class DTypeMismatchError(KVStoreError, TypeError): ...
-class SparseError(KVStoreError, ValueError): ...
-class ValueCountError(KVStoreError, ValueError): ...
-class InvalidValueError(KVStoreError, TypeError): ...
-class OptimizerRequiredError(KVStoreError): ...
-class StoreClosedError(KVStoreError): ...
-class OptimizerError(PSKVError, ValueError): ...
-class CompressionError(PSKVError, ValueError): ...
-class TrainerError(PSKVError, ValueError): ...
-class ClusterError(PSKVError): ...
-class DeadlineExceeded(ClusterError, TimeoutError): ...
-class NodeFailedError(ClusterError): ...
-class ProtocolError(ClusterError): ...
-class LaunchError(PSKVError): ...
+class KVStoreError(PSKVError): ...  # a call given what it cannot take (the store stays usable)
+class KeyNotInitializedError(KVStoreError): ...  # the key was never ``init``-ed
+class DuplicateInitError(KVStoreError): ...  # the key was ``init``-ed before
+class KeyTypeError(KVStoreError, TypeError): ...  # a key that is not int/str, or int and str keys mixed
+class ShapeMismatchError(KVStoreError, ValueError): ...  # a value's shape differs from the key's
+class DTypeMismatchError(KVStoreError, TypeError): ...  # a value's dtype differs from the key's
+class SparseError(KVStoreError, ValueError): ...  # dense ``out`` for a row-sparse key, bad row ids
+class ValueCountError(KVStoreError, ValueError): ...  # unequal numbers of keys and values, empty lists
+class InvalidValueError(KVStoreError, TypeError): ...  # a value that is not a tensor (or list of tensors)
+class OptimizerRequiredError(KVStoreError): ...  # ``dist_async`` push without a server-side optimizer
+class StoreClosedError(KVStoreError): ...  # a call after ``close()``
+class OptimizerError(PSKVError, ValueError): ...  # unknown optimizer, bad hyperparameter or state file
+class CompressionError(PSKVError, ValueError): ...  # bad gradient-compression parameters
+class TrainerError(PSKVError, ValueError): ...  # a Trainer given parameters or settings it cannot use
+class ClusterError(PSKVError): ...  # the distributed system could not do what was asked
+class DeadlineExceeded(ClusterError, TimeoutError): ...  # a blocking call ran past ``PSKV_TIMEOUT``
+class NodeFailedError(ClusterError): ...  # a scheduler/server/worker died or left
+class ProtocolError(ClusterError): ...  # a malformed message arrived
+class LaunchError(PSKVError): ...  # ``pskv launch`` could not start or keep a job running
 
 
 # -- what is missing: every error of SPEC section 9 ("never a silent hang") is worded here --------
@@ -83,14 +60,11 @@ def finished_without(who: str, what: str) -> NodeFailedError:
 
 
 def from_reply(meta: Any, context: str = "") -> PSKVError:
-    """The exception an ERROR message's metadata carries, its text prefixed with ``context``."""
+    """The exception an ERROR message's metadata carries, its text prefixed with ``context``: the class
+    of this module its ``kind`` names (never evaluated), ``ClusterError`` if none."""
     meta = meta if isinstance(meta, dict) else {}
-    return error_class(str(meta.get("kind", "")))(f"{context}{meta.get('message', 'unknown error')}")
-
-
-def error_class(kind: str) -> type[PSKVError]:
-    """The class of this module named ``kind`` (never evaluated); ``ClusterError`` if unknown."""
-    return _BY_NAME.get(kind, ClusterError)
+    error_class = _BY_NAME.get(str(meta.get("kind", "")), ClusterError)
+    return error_class(f"{context}{meta.get('message', 'unknown error')}")
 
 
 _BY_NAME = {name: cls for name, cls in globals().items() if isinstance(cls, type) and issubclass(cls, PSKVError)}

@@ -8,11 +8,6 @@ import torch
 from torch import Tensor
 
 
-def is_row_sparse(t: Tensor) -> bool:
-    """A sparse COO tensor whose indices select whole rows (``sparse_dim() == 1``)."""
-    return t.layout == torch.sparse_coo and t.sparse_dim() == 1
-
-
 def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
     """The sum of ``values`` made on ``device``, never aliasing an input: row-sparse (coalesced)
     if every value is, else dense."""
@@ -25,10 +20,8 @@ def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
         val = torch.cat([s.coalesce().values().to(device) for s in sparse], dim=0)
         return torch.sparse_coo_tensor(idx, val, sparse[0].shape, check_invariants=False).coalesce()
     out = dense[0].detach().to(device, copy=True)
-    for v in dense[1:]:
+    for v in [*dense[1:], *sparse]:
         out.add_(v.detach().to(device))
-    for s in sparse:
-        out.add_(s.detach().to(device))
     return out
 
 

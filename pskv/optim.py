@@ -1,9 +1,7 @@
 """Optimizers that run where the weights live: in the worker's process or on the servers.
 
-An :class:`Optimizer` is a plain description (a name, numbers, an optional ``lr_scheduler``) that
-travels as JSON, never pickled, plus update rules in torch ops that follow ``torch.optim``'s code
-operation by operation, so the same hyperparameters give the same numbers. Names, defaults, order
-and schedules: docs/SPEC.md, "Optimizers"; row-sparse gradients update only the rows present.
+An :class:`Optimizer` is a description that travels as JSON (docs/SPEC.md, section 4 and
+"Optimizers") plus update rules in torch ops that follow ``torch.optim``'s code operation by operation.
 """
 
 from __future__ import annotations

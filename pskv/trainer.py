@@ -62,18 +62,14 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
 
 
 class Trainer:
-    """Applies an optimizer to parameters through a store. Not thread-safe.
+    """Applies an optimizer to parameters through a store (docs/SPEC.md, "Trainer" and "Overlap").
+    Not thread-safe.
 
     ``params``: tensors, ``(name, tensor)`` pairs or a dict (keys: the order, or the names), or one of
     those per device replica; shared tensors are trained once, frozen ones left alone.
-    ``kvstore``: a store type name (``"device"`` by default, as in MXNet), a store, or ``None``.
-    A ``local``/``device`` store with a single replica is skipped (the optimizer runs here).
-    ``update_on_kvstore=None`` picks: True for dist types and for several replicas; ``dist_async``
-    requires it; False runs the optimizer here and uses the store only to sum gradients.
-    ``overlap``: gradients leave from autograd hooks during backward and each layer waits for its
-    new weights just before its next forward (accumulate gradients inside :meth:`no_sync`; call
-    :meth:`synchronize` before reading weights outside a forward); ``None`` turns it on where it
-    pays (a dist store with GPU parameters or remote servers).
+    ``kvstore``: a store type name, a store, or ``None``. ``update_on_kvstore=None``: True whenever
+    a store is used. ``overlap=None`` picks (SPEC); with overlap, accumulate gradients inside
+    :meth:`no_sync` and call :meth:`synchronize` before reading weights outside a forward.
     """
 
     def __init__(
@@ -258,12 +254,8 @@ class Trainer:
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
-        batch, as in MXNet), update: on the store with ``update_on_kvstore``, else here.
-
-        Blocks until every replica holds the new weights (with overlap: returns once the pulls are
-        sent). A parameter without a gradient is an error unless ``ignore_stale_grad`` (then it
-        counts as a zero gradient, so dist rounds stay complete).
-        """
+        batch), update; block until every replica holds the new weights (with overlap: until the
+        pulls are sent). A parameter without a gradient is an error unless ``ignore_stale_grad``."""
         t0 = timeline.now()
         scale = self._set_scale(batch_size)
         if not self._update_on_kvstore:

@@ -1,9 +1,5 @@
-"""The key-value store: ``pskv.kv.create(name)`` and the types behind it (docs/SPEC.md, section 3).
-
-``local`` sums and updates on the CPU, ``device`` on the first tensor's device. ``dist_sync``
-updates on parameter servers once per round of pushes from every worker, ``dist_device_sync`` after
-summing device lists on the device, ``dist_async`` on every push. ``dist`` means ``dist_sync``; MXNet's
-``local_update_cpu`` and ``local_allreduce_cpu`` mean ``local``, ``local_allreduce_device`` ``device``."""
+"""The key-value store: ``pskv.kv.create(name)`` and the types behind it (docs/SPEC.md, section 3;
+MXNet's type names are aliases: "Type names" there)."""
 
 from __future__ import annotations
 
@@ -21,9 +17,9 @@ ALIASES = {
 
 
 def create(name: str = "local") -> KVStore:
-    """Create a store of type ``name`` (see above). A ``dist_*`` store joins the job that the
-    ``DMLC_*`` environment describes (``pskv launch`` sets it); in a server or scheduler process it
-    serves until the job ends, then exits the process."""
+    """Create a store of type ``name`` (``TYPES`` or ``ALIASES``). A ``dist_*`` store joins the job
+    that the ``DMLC_*`` environment describes (``pskv launch`` sets it); in a server or scheduler
+    process it serves until the job ends, then exits the process."""
     if not isinstance(name, str):
         raise KVStoreError(f"store type must be a str, got {type(name).__name__}")
     canonical = ALIASES.get(name, name)

@@ -25,7 +25,6 @@ from torch import Tensor
 
 from .. import errors
 from ..compression import Compressor
-from ..ops import is_row_sparse
 from ..optim import Optimizer, load_states, save_states
 from ..ps.tracker import Handle
 
@@ -50,7 +49,8 @@ class KeyMeta:
 
     @property
     def row_numel(self) -> int:
-        return self.numel // self.shape[0] if len(self.shape) and self.shape[0] else 0
+        """Elements per row (the first dimension's); 1 for a scalar or an empty row."""
+        return max(1, self.numel // self.shape[0]) if len(self.shape) and self.shape[0] else 1
 
     def __str__(self) -> str:
         return f"key {self.key!r}"
@@ -76,11 +76,9 @@ def _locked(method: F) -> F:
 
 
 class KVStore(ABC):
-    """A key-value store for parameters. Create one with :func:`pskv.kv.create`.
-
-    Keys are ints or strs (never both in one store); values are ``torch.Tensor``s on any device, a
-    list of tensors (one per device), or, for a list of keys, a list of those. Every public method
-    takes the store's lock, so threads may share a store (one call at a time)."""
+    """A key-value store for parameters (keys and values: docs/SPEC.md, sections 1-2). Create one
+    with :func:`pskv.kv.create`. Every public method takes the store's lock, so threads may share a
+    store (one call at a time)."""
 
     def __init__(self, type_name: str):
         self._type = type_name
@@ -154,7 +152,7 @@ class KVStore(ABC):
                 raise errors.InvalidValueError(f"key {key!r}: {what} must be a torch.Tensor, got {type(v).__name__}")
             if v.layout not in (torch.strided, torch.sparse_coo):
                 raise errors.InvalidValueError(f"key {key!r}: {what} has unsupported layout {v.layout}")
-            if v.is_sparse and not is_row_sparse(v):
+            if v.is_sparse and v.sparse_dim() != 1:
                 raise errors.SparseError(
                     f"key {key!r}: a sparse {what} must be row-sparse (sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}"
                 )
@@ -199,10 +197,8 @@ class KVStore(ABC):
 
     @_locked
     def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False) -> Optional[Handle]:
-        """Push ``value`` (a tensor or a list of per-device tensors) to ``key``: the list is summed,
-        and so are values of a key repeated in one call; the sum replaces the stored value, or with an
-        optimizer is its gradient. Parts of higher ``priority`` go first. The pushed tensors are never
-        modified. ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
+        """Push ``value`` (a tensor or a list of per-device tensors, summed) to ``key`` (docs/SPEC.md,
+        section 2). ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
         the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
         groups = self._grouped(key, value, "pushed value")
         handle = self._push_impl(groups, int(priority), wait, _held)
@@ -213,9 +209,8 @@ class KVStore(ABC):
         self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True, *, _rescale: Optional[float] = None
     ) -> Optional[Handle]:
         """Copy the value of ``key``, as of every earlier push of this caller, into ``out`` (a tensor
-        or a list; each gets the value). A row-sparse key needs :meth:`row_sparse_pull`; sparse outputs
-        are skipped, with one warning, when ``ignore_sparse`` is true, and get every row otherwise.
-        ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; use ``out`` after its ``wait()``."""
+        or a list; each gets the value; sparse ones: docs/SPEC.md, "Row-sparse"). ``wait=False``
+        returns a :class:`~pskv.ps.tracker.Handle`; use ``out`` after its ``wait()``."""
         groups = self._grouped(key, out, "out")
         kept: list[Group] = []
         skipped: list[Key] = []
@@ -362,18 +357,17 @@ class KVStore(ABC):
     def __exit__(self, exc_type: Optional[builtins.type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.close()
 
-    # The hooks of the concrete stores: they get validated arguments.
+    # The hooks of the concrete stores: they get validated arguments. With ``wait`` False, push and
+    # pull return a handle instead of blocking (or None: done already).
 
     @abstractmethod
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
 
     @abstractmethod
-    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
-        """Push; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]: ...
 
     @abstractmethod
-    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
-        """Pull; with ``wait`` False, return a handle instead of blocking (or None: done already)."""
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]: ...
 
     def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Any:
         """Push ``items`` and pull into ``outs`` as one operation, or ``NotImplemented``: push, then pull."""

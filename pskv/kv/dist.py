@@ -96,16 +96,15 @@ class DistStore(KVStore):
         self._client.check()
         batches: dict[int, tuple[list[Any], list[Any]]] = {}
         for meta, value in items:
-            row_numel = max(1, meta.row_numel)  # 1 for a scalar
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
-            self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=row_numel, chunk=chunk)
+            self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=meta.row_numel, chunk=chunk)
             flat = None
             if self.rank == 0:  # worker 0's value is everyone's
                 dense = value.detach().to_dense() if value.is_sparse else value.detach()
                 flat = dense.to("cpu").contiguous().view(-1)
             for p in self._parts[meta.id]:
                 rows, frames = batches.setdefault(p.server, ([], []))
-                rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, row_numel, meta.row_sparse, repr(meta.key)])
+                rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, repr(meta.key)])
                 if flat is not None:
                     frames.append(tensor_frame(flat[p.start : p.stop]))
         mode = "async" if self._async else "sync"
@@ -169,7 +168,7 @@ class DistStore(KVStore):
             kind, home = PushKind.DENSE, (-1, 0)  # home: the (fd, offset) of our shared-memory slot
             frames: list[Any] = []
             if sparse:
-                r0, r1 = p.start // max(1, meta.row_numel), p.stop // max(1, meta.row_numel)
+                r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
                 sel = (ids >= r0) & (ids < r1)
                 kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
             elif self._compressor is not None:
@@ -292,11 +291,10 @@ class DistStore(KVStore):
         handle = self._client.handle()
         results: list[tuple[KeyMeta, list[Tensor], list[Tensor], Tensor, Tensor]] = []
         for meta, outs, row_lists in items:
-            row_numel = max(1, meta.row_numel)
             wanted = torch.unique(torch.cat(row_lists))
-            data = torch.empty(len(wanted), row_numel, dtype=meta.dtype)
+            data = torch.empty(len(wanted), meta.row_numel, dtype=meta.dtype)
             for p in self._parts[meta.id]:
-                r0, r1 = p.start // row_numel, p.stop // row_numel
+                r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
                 where = torch.nonzero((wanted >= r0) & (wanted < r1)).view(-1)
                 if where.numel():
                     sink = lambda src, where=where, data=data: data.index_copy_(0, where, src.view(len(where), -1))  # noqa: E731

@@ -37,7 +37,7 @@ class LocalStore(KVStore):
             comp = self._compressor
             if comp is not None:
                 values = [
-                    v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v)).to(v.dtype)
+                    v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
                     for i, v in enumerate(values)
                 ]
             stored = self._values[meta.id]
