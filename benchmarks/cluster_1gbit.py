@@ -10,7 +10,10 @@ exits with status 0.
 In the same run, with the ResNet-18 payload (42 arrays, 44.7 MB) per round:
 
 - pskv ``dist_sync``: scheduler and workers on the worker hosts, servers on their own hosts,
-  ``PSKV_SHM=0`` (the namespaces share one kernel); a round is ``kv.pushpull`` of all keys;
+  ``PSKV_SHM=0`` (the namespaces share one kernel); a round is ``kv.pushpull`` of all keys; then,
+  as the Trainer pushes during backward, one ``pushpull`` per key from the last layer to the first
+  with priority -layer: the time until layer 0's value is back (the next forward's first wait)
+  and until all are;
 - gloo ``all_reduce`` over the worker hosts: one flat 44.7 MB tensor, and the 42 tensors.
 
 The bound of a parameter server with servers on their own hosts is M/B (each link is full duplex:
@@ -101,7 +104,7 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
 # -- the two systems ----------------------------------------------------------------------------------
 
 
-def run_pskv(args: argparse.Namespace) -> list[float]:
+def run_pskv(args: argparse.Namespace) -> dict[str, list[float]]:
     w, s = args.workers, args.servers
     base = {"DMLC_PS_ROOT_URI": f"{SUBNET}.1", "DMLC_PS_ROOT_PORT": str(PORT), "DMLC_NUM_WORKER": str(w),
             "DMLC_NUM_SERVER": str(s), "PSKV_SHM": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -142,18 +145,28 @@ def pskv_worker(rounds: int) -> None:
     kv.init(keys, [torch.zeros(s) for s in shapes()])
     grads = [torch.full(s, kv.rank + 1.0) for s in shapes()]
     outs = [torch.empty(s) for s in shapes()]
-    times = []
+    w = kv.num_workers
+    times: dict[str, list[float]] = {"round": [], "first": [], "step": []}
     for r in range(rounds + 1):
         kv.barrier()
         t0 = time.perf_counter()
         kv.pushpull(keys, grads, out=outs)
-        times.append(time.perf_counter() - t0)
-        w = kv.num_workers
+        times["round"].append(time.perf_counter() - t0)
         if not all(torch.all(o == w * (w + 1) / 2) for o in outs):
             raise SystemExit(f"worker {kv.rank}: wrong sums in round {r}")
-    rounds_of_all = kv.allgather(times[1:])
+        # as the Trainer does in backward: the last layer's gradient first, each key its own call
+        # with priority -layer; the next forward waits for layer 0 first
+        kv.barrier()
+        t0 = time.perf_counter()
+        handles = [kv.pushpull(k, grads[k], out=outs[k], priority=-k, wait=False) for k in reversed(keys)]
+        handles[-1].wait()
+        times["first"].append(time.perf_counter() - t0)
+        for h in handles:
+            h.wait()
+        times["step"].append(time.perf_counter() - t0)
+    everyone = kv.allgather({name: t[1:] for name, t in times.items()})
     kv.close()
-    print(json.dumps([max(t) for t in zip(*rounds_of_all)]))
+    print(json.dumps({name: [max(t) for t in zip(*(e[name] for e in everyone))] for name in times}))
 
 
 def gloo_worker(rounds: int, flat: bool) -> None:
@@ -204,8 +217,11 @@ def main() -> int:
     down(n)
     try:
         up(n, args.rate)
+        pskv = run_pskv(args)
         rows = {
-            "pskv pushpull": run_pskv(args),
+            "pskv pushpull": pskv["round"],
+            "pskv by layer: layer 0 back": pskv["first"],
+            "pskv by layer: all back": pskv["step"],
             "gloo all_reduce, flat": run_gloo(args, flat=True),
             "gloo all_reduce, 42 tensors": run_gloo(args, flat=False),
         }
