@@ -71,14 +71,17 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         out = model(x)
         loss = F.cross_entropy(out, y)
+        timeline.span("forward", t0)
         if trainer is None:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
         else:
             net.zero_grad(set_to_none=True)
+            tb = timeline.now()
             loss.backward()
             sync()
+            timeline.span("backward", tb)
             t1 = time.perf_counter()
             trainer.step(1)
         sync()
@@ -103,7 +106,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> di
         out = Path(tmp) / "r.json"
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
-        env = {**os.environ, "PSKV_TIMELINE": str(Path(tmp) / "t.json")}
+        env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or str(Path(tmp) / "t.json")}
         if config == "pskv":
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
         elif config == "ddp":
