@@ -8,8 +8,8 @@ variable                   default  meaning
 ``PSKV_HEARTBEAT_TIMEOUT`` 30       seconds of silence after which a node is declared dead
 ``PSKV_HEARTBEAT_INTERVAL`` 1       seconds between heartbeats (kept below the timeout / 3)
 ``PSKV_BIGARRAY_BOUND``    65536    arrays with at least this many elements are cut over all servers (MXNet: 1e6)
-``PSKV_CHUNK_BYTES``       4194304  big slices are cut into parts of at most this many bytes (0: not cut; servers on other hosts: 262144 is faster)
-``PSKV_BATCH_BYTES``       8388608  a push goes to a TCP server in messages of about this many bytes (other hosts: 262144)
+``PSKV_CHUNK_BYTES``       4194304  big slices are cut into parts of at most this many bytes (0: not cut; across hosts 262144 is faster)
+``PSKV_BATCH_BYTES``       8388608  a push goes to a TCP server in messages of about this many bytes (across hosts 262144 is faster)
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr

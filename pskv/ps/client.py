@@ -55,6 +55,7 @@ class WorkerClient(Node):
         self._batch_bytes = config.batch_bytes()
         self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
         self._pending_bytes: dict[int, int] = {}
+        self._sent: list[Sent] = []  # waits of messages sent when a batch filled, for the next full flush
         self._first_queued: Optional[float] = None  # rows queued without waiting: the first's time
         self._last_queued = 0.0
         self._dozing = True  # the I/O thread sleeps long (no rows queued lately): wake it for new ones
@@ -132,7 +133,7 @@ class WorkerClient(Node):
             self._pending.setdefault((server, kind), []).append((row, frames, entry, ready))
             self._pending_bytes[server] = self._pending_bytes.get(server, 0) + nbytes
             if self._pending_bytes[server] >= self._batch_bytes:
-                self.flush([server])
+                self._sent += self.flush([server])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> list[Sent]:
         """Send the queued rows of ``servers`` (all by default), a PUSH then a PULL message each;
@@ -149,6 +150,7 @@ class WorkerClient(Node):
         with self._lock:
             if servers is None:
                 self._first_queued = None
+                sent, self._sent = self._sent, []
             for server, kind in sorted(k for k in self._pending if servers is None or k[0] in servers):  # PUSH before PULL
                 batch = self._pending.pop((server, kind))
                 self._pending_bytes.pop(server, None)

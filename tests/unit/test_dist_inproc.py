@@ -456,3 +456,19 @@ def test_a_push_waits_for_an_earlier_pull_of_the_same_key(inproc_job: Job) -> No
 
     want = [2.0 * i + 1 for i in range(20)]
     assert job.run_workers(body) == [want, want]
+
+
+def test_a_blocking_push_waits_for_every_batch_it_sent(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP a push leaves in PSKV_BATCH_BYTES messages as it is queued; it returns only once
+    zmq has the bytes of all of them, so the caller may change its tensor at once."""
+    monkeypatch.setenv("PSKV_SHM", "0")
+    monkeypatch.setenv("PSKV_BATCH_BYTES", "65536")
+    job = inproc_job(1, 2)
+    with job.worker() as kv:
+        kv.init("w", torch.zeros(1100, 1000))
+        g = torch.full((1100, 1000), 2.0)
+        kv.push("w", g)
+        g.fill_(100.0)
+        out = torch.empty(1100, 1000)
+        kv.pull("w", out)
+        assert torch.equal(out, torch.full((1100, 1000), 2.0))
