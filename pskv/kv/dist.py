@@ -116,7 +116,8 @@ class DistStore(KVStore):
         handle = self._queue_push(items, self._client.handle(), None, wait, int(held))
         timeline.span("push (copy in, queue)", t0, keys=len(items))
         if wait:  # the caller may change its tensors once push returns: wait until zmq has the bytes
-            self._client.wait_sent(self._client.flush())
+            self._client.flush()
+            self._client.wait_sent(handle.sent)
             return None
         return self._done(handle, False)
 

@@ -55,7 +55,6 @@ class WorkerClient(Node):
         self._batch_bytes = config.batch_bytes()
         self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
         self._pending_bytes: dict[int, int] = {}
-        self._sent: list[Sent] = []  # waits of messages sent when a batch filled, for the next full flush
         self._first_queued: Optional[float] = None  # rows queued without waiting: the first's time
         self._last_queued = 0.0
         self._dozing = True  # the I/O thread sleeps long (no rows queued lately): wake it for new ones
@@ -133,24 +132,22 @@ class WorkerClient(Node):
             self._pending.setdefault((server, kind), []).append((row, frames, entry, ready))
             self._pending_bytes[server] = self._pending_bytes.get(server, 0) + nbytes
             if self._pending_bytes[server] >= self._batch_bytes:
-                self._sent += self.flush([server])
+                self.flush([server])
 
-    def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> list[Sent]:
+    def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
         """Send the queued rows of ``servers`` (all by default), a PUSH then a PULL message each;
-        ``soon``: the I/O thread will (rows queued meanwhile join them). Returns waits for the
-        moment the payload buffers of pushes with frames may be reused."""
+        ``soon``: the I/O thread will (rows queued meanwhile join them). A push with frames adds
+        to its calls' ``Handle.sent`` the wait for the moment its payload buffers may be reused."""
         if soon:
             self._last_queued = time.monotonic()
             if self._first_queued is None:
                 self._first_queued = self._last_queued
                 if self._dozing:
                     self.van.wake()
-            return []
-        sent: list[Sent] = []
+            return
         with self._lock:
             if servers is None:
                 self._first_queued = None
-                sent, self._sent = self._sent, []
             for server, kind in sorted(k for k in self._pending if servers is None or k[0] in servers):  # PUSH before PULL
                 batch = self._pending.pop((server, kind))
                 self._pending_bytes.pop(server, None)
@@ -169,8 +166,8 @@ class WorkerClient(Node):
                 waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
                 timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
                 if waiter is not None:
-                    sent.append(waiter)
-        return sent
+                    for handle in {id(q[2][0]): q[2][0] for q in batch}.values():
+                        handle.sent.append(waiter)
 
     def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:
         try:

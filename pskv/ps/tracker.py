@@ -38,6 +38,7 @@ class Handle:
         self._left = 0
         self._done = tracker is None
         self.error: Optional[BaseException] = None
+        self.sent: list[Callable[[float], bool]] = []  # waits for zmq to be done with this call's pushed bytes
 
     def done(self) -> bool:
         """True once every part is done (or the call failed); handles the answers that arrived."""
