@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from ..errors import KVStoreError
 from .base import KeyMeta, KVStore
-from .local import LocalStore
 
 TYPES = ("local", "device", "dist_sync", "dist_device_sync", "dist_async")
 ALIASES = {
@@ -29,7 +28,7 @@ def create(name: str = "local") -> KVStore:
         from .dist import create_dist
 
         return create_dist(canonical)
-    return LocalStore(canonical)
+    return KVStore(canonical)
 
 
 __all__ = ["ALIASES", "TYPES", "KVStore", "KeyMeta", "create"]

@@ -1,7 +1,8 @@
-"""The store API that every type shares: keys, argument checks, the public methods.
+"""The store API that every type shares: keys, argument checks, the public methods; its hooks are
+the in-process stores ``local`` and ``device``, and :mod:`pskv.kv.dist` replaces them.
 
-Everything a user can get wrong is checked here, before a concrete store's ``_..._impl`` hooks run,
-so a rejected call changes nothing."""
+Everything a user can get wrong is checked here, before the ``_..._impl`` hooks run, so a rejected
+call changes nothing."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import math
 import numbers
 import threading
 import warnings
-from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,8 @@ from torch import Tensor
 
 from .. import errors
 from ..compression import Compressor
-from ..optim import Optimizer, load_states, save_states
+from ..ops import reduce_values, write_rows
+from ..optim import Optimizer, apply_push, load_states, save_states
 from ..ps.tracker import Handle
 
 Key = Union[int, str]
@@ -75,10 +76,12 @@ def _locked(method: F) -> F:
     return call  # type: ignore[return-value]
 
 
-class KVStore(ABC):
+class KVStore:
     """A key-value store for parameters (keys and values: docs/SPEC.md, sections 1-2). Create one
     with :func:`pskv.kv.create`. Every public method takes the store's lock, so threads may share a
-    store (one call at a time)."""
+    store (one call at a time). Itself the in-process store: calls are synchronous, each returns when
+    done; ``device`` sums on the device of the first pushed tensor and keeps each value (and runs the
+    optimizer) on the device it was initialised on, ``local`` uses the CPU."""
 
     def __init__(self, type_name: str):
         self._type = type_name
@@ -88,6 +91,8 @@ class KVStore(ABC):
         self._compressor: Optional[Compressor] = None
         self._closed = False
         self._lock = threading.RLock()
+        self._on_device = type_name in ("device", "dist_device_sync")
+        self._values: dict[int, Tensor] = {}  # an in-process store's values
 
     @property
     def type(self) -> str:
@@ -244,8 +249,7 @@ class KVStore(ABC):
         outs = self._grouped(key, target, "out")  # check outputs before pushing
         if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
             handle = self._pushpull_impl(groups, outs, int(priority), wait)
-            if handle is not NotImplemented:
-                return None if wait else handle or Handle()
+            return None if wait else handle or Handle()
         self._push_impl(groups, int(priority), wait, False)
         return self.pull(key, target, priority, wait=wait)
 
@@ -357,24 +361,48 @@ class KVStore(ABC):
     def __exit__(self, exc_type: Optional[builtins.type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         self.close()
 
-    # The hooks of the concrete stores: they get validated arguments. With ``wait`` False, push and
-    # pull return a handle instead of blocking (or None: done already).
+    # The hooks, here those of the in-process stores: they get validated arguments. With ``wait``
+    # False, push and pull return a handle instead of blocking (or None: done already).
 
-    @abstractmethod
-    def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None: ...
+    def _device(self, value: Tensor) -> torch.device:
+        """Where a key's initial value is kept, or a push whose first tensor is ``value`` is summed."""
+        return value.device if self._on_device else torch.device("cpu")
 
-    @abstractmethod
-    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]: ...
+    def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
+        for meta, v in items:
+            stored = v.detach().to(self._device(v), copy=True)
+            self._values[meta.id] = stored.to_dense() if stored.is_sparse else stored
 
-    @abstractmethod
-    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]: ...
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+        for meta, values in items:
+            comp = self._compressor
+            if comp is not None:
+                values = [
+                    v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
+                    for i, v in enumerate(values)
+                ]
+            stored = self._values[meta.id]
+            merged = reduce_values(values, self._device(values[0])).to(stored.device)
+            apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True)  # merged is ours
+        return None
 
-    def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Any:
-        """Push ``items`` and pull into ``outs`` as one operation, or ``NotImplemented``: push, then pull."""
-        return NotImplemented
+    def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
+        for meta, outs in items:
+            stored = self._values[meta.id]
+            for out in outs:
+                out.copy_(stored.to_sparse(1) if out.is_sparse else stored)
+        return None
 
-    @abstractmethod
-    def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None: ...
+    def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
+        """Push ``items`` and pull into ``outs`` (dense) as one operation; here: push, then pull."""
+        self._push_impl(items, priority, wait, False)
+        return self._pull_impl(outs, priority, wait, None)
+
+    def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None:
+        for meta, outs, rows in items:
+            stored = self._values[meta.id]
+            for out, r in zip(outs, rows):
+                write_rows(out, r, stored.index_select(0, r.to(stored.device)))
 
     def _set_optimizer_impl(self, optimizer: Optimizer) -> None:
         """Called before ``self._optimizer`` is set to ``optimizer``; the dist client tells the servers."""
@@ -382,12 +410,14 @@ class KVStore(ABC):
     def _set_compression_impl(self, compressor: Compressor) -> None:
         """Called after ``self._compressor`` is set; the dist client tells the servers."""
 
-    @abstractmethod
-    def _optimizer_state(self) -> dict[str, Any]: ...
+    def _optimizer_state(self) -> dict[str, Any]:
+        if self._optimizer is None:
+            raise errors.OptimizerError("no optimizer is set on this store; call set_optimizer first")
+        return self._optimizer.state_dict()
 
-    @abstractmethod
     def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
         """Load ``state`` into ``optimizer`` (the store's, or a new one from the file's description)."""
+        optimizer.load_state_dict(state, weights=self._values)
 
     def _barrier_impl(self, *value: Any) -> list[Any]:
         """A barrier of the workers, carrying ``value`` if given: every worker's, by rank (here: one)."""

@@ -47,7 +47,6 @@ class DistStore(KVStore):
     def __init__(self, type_name: str, env: JobEnv):
         super().__init__(type_name)
         self._async = type_name == "dist_async"
-        self._on_device = type_name == "dist_device_sync"
         self._client = WorkerClient(env)
         # a store that is dropped, or alive at exit, is closed: the job learns this worker is done
         self._closer = weakref.finalize(self, _close, self._client)
