@@ -172,14 +172,15 @@ class KVStore:
         if t.dtype != meta.dtype:
             raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
-    def _grouped(self, key: KeyArg, value: Any, what: str) -> list[Group]:
-        """Validated ``(meta, tensors)`` per distinct key, in first-seen order (repeats joined)."""
+    def _grouped(self, key: KeyArg, value: Any, what: str, join: bool = True) -> list[Group]:
+        """Validated ``(meta, tensors)`` per distinct key, in first-seen order (repeats joined), or
+        with ``join=False`` per key given."""
         groups: dict[int, Group] = {}
-        for k, ts in self._pairs(key, value, what):
+        for i, (k, ts) in enumerate(self._pairs(key, value, what)):
             meta = self._meta(k)
             for t in ts:
                 self._check_like(meta, t, what)
-            groups.setdefault(meta.id, (meta, []))[1].extend(ts)
+            groups.setdefault(meta.id if join else i, (meta, []))[1].extend(ts)
         return list(groups.values())
 
     @_locked
@@ -268,16 +269,13 @@ class KVStore:
         """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``: a
         sparse ``out`` holds exactly those rows, a dense one those and every other row zero. With a
         list of outputs, ``row_ids`` is one tensor for all or a list with one per output."""
-        pairs = self._pairs(key, out, "out")
+        pairs = self._grouped(key, out, "out", join=False)
         many = isinstance(key, (list, tuple))
         if many and (not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(pairs)):
             raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(pairs)} keys)")
         groups: list[tuple[KeyMeta, list[Tensor], list[Tensor]]] = []
-        for (k, outs), rids in zip(pairs, row_ids if many else [row_ids]):
-            meta = self._meta(k)
-            for o in outs:
-                self._check_like(meta, o, "out")
-            rid_list = self._tensors(k, rids, "row_ids")
+        for (meta, outs), rids in zip(pairs, row_ids if many else [row_ids]):
+            rid_list = self._tensors(meta.key, rids, "row_ids")
             if len(rid_list) == 1:
                 rid_list = rid_list * len(outs)
             if len(rid_list) != len(outs):
