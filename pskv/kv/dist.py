@@ -237,6 +237,7 @@ class DistStore(KVStore):
         the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
         copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
 
+        @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
         def finish() -> None:  # in the caller's thread, once every part has arrived
             for meta, buf, outs in copies:
                 for o in outs:

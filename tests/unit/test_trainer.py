@@ -136,6 +136,30 @@ def test_two_replicas_with_split_batches_match_one_device() -> None:
             torch.testing.assert_close(mine.detach(), want, rtol=1e-5, atol=1e-6)
 
 
+def test_two_replicas_with_overlap_match_one_device(inproc_job: Job) -> None:
+    """Overlapped pulls write every replica after the step (a pull's copies to outputs past the
+    first run in the forward pre-hook, outside the store's call: they must not be recorded by autograd)."""
+    batches = _batches()
+
+    def body(kv: KVStore) -> list[list[torch.Tensor]]:
+        nets = [_net(), _net()]
+        opts = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-3}
+        tr = pskv.Trainer([n.parameters() for n in nets], "sgd", opts, kvstore=kv, overlap=True)
+        devices = [torch.device("cpu"), torch.device("cpu")]
+        for x, y in batches:
+            for n, xs, ys in zip(nets, pskv.split_and_load(x, devices), pskv.split_and_load(y, devices)):
+                n.zero_grad()
+                nn.functional.cross_entropy(n(xs), ys, reduction="sum").backward()
+            tr.step(len(x))
+        tr.synchronize()
+        return [[p.detach().clone() for p in n.parameters()] for n in nets]
+
+    (nets,) = inproc_job(1, 1).run_workers(body)
+    for params in nets:
+        for mine, want in zip(params, _reference(batches)):
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+
+
 # -- parameters --------------------------------------------------------------------------------------
 
 
