@@ -15,35 +15,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
-    ClusterError,
-    CompressionError,
-    DeadlineExceeded,
-    DTypeMismatchError,
-    DuplicateInitError,
-    InvalidValueError,
-    KeyNotInitializedError,
-    KeyTypeError,
-    KVStoreError,
-    LaunchError,
-    NodeFailedError,
-    OptimizerError,
-    OptimizerRequiredError,
-    ProtocolError,
-    PSKVError,
-    ShapeMismatchError,
-    SparseError,
-    StoreClosedError,
-    TrainerError,
-    ValueCountError,
-)
+from . import errors
+from .errors import *  # noqa: F403  (every error class)
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from . import compression, data, kv, optim
-    from .data import split_and_load
-    from .trainer import Trainer
+    from . import compression as compression  # "as": re-exported, for type checkers
+    from . import data as data
+    from . import kv as kv
+    from . import optim as optim
+    from .data import split_and_load as split_and_load
+    from .trainer import Trainer as Trainer
 
 # Imported on first use: the submodules themselves, and names from them.
 _SUBMODULES = ("compression", "data", "kv", "optim")
@@ -59,10 +42,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pskv' has no attribute {name!r}")
 
 
-__all__ = [
-    "ClusterError", "CompressionError", "DTypeMismatchError", "DeadlineExceeded", "DuplicateInitError",
-    "InvalidValueError", "KVStoreError", "KeyNotInitializedError", "KeyTypeError", "LaunchError",
-    "NodeFailedError", "OptimizerError", "OptimizerRequiredError", "PSKVError", "ProtocolError",
-    "ShapeMismatchError", "SparseError", "StoreClosedError", "Trainer", "TrainerError", "ValueCountError",
-    "__version__", "compression", "data", "kv", "optim", "split_and_load",
-]
+__all__ = sorted([*errors.__all__, "Trainer", "__version__", "compression", "data", "kv", "optim", "split_and_load"])

@@ -11,6 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+__all__ = [  # the error classes: what ``from pskv.errors import *`` gives
+    "ClusterError", "CompressionError", "DTypeMismatchError", "DeadlineExceeded", "DuplicateInitError",
+    "InvalidValueError", "KVStoreError", "KeyNotInitializedError", "KeyTypeError", "LaunchError",
+    "NodeFailedError", "OptimizerError", "OptimizerRequiredError", "PSKVError", "ProtocolError",
+    "ShapeMismatchError", "SparseError", "StoreClosedError", "TrainerError", "ValueCountError",
+]
+
 
 # The tree of errors; a builtin second base lets callers catch e.g. any bad value as ValueError.
 class PSKVError(Exception): ...

@@ -50,6 +50,8 @@ def test_every_error_is_a_pskv_error() -> None:
         obj = getattr(pskv, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, pskv.PSKVError)
+    classes = {n for n, c in vars(pskv.errors).items() if isinstance(c, type) and issubclass(c, pskv.PSKVError)}
+    assert sorted(classes) == pskv.errors.__all__  # every error class is public, listed once
 
 
 def test_importing_pskv_does_not_load_torch() -> None:
