@@ -1,7 +1,5 @@
-"""Running a job: :func:`run_job` does what every launcher does, a :class:`Backend` what is specific
-to one tool, and :class:`ProcessContext` starts, watches and stops the processes on this machine
-(docs/launchers/README.md, "How the launcher is built").
-"""
+"""Running a job: :func:`run_job`, each launcher's :class:`Backend`, and the :class:`ProcessContext` of
+the processes on this machine (docs/launchers/README.md, "How the launcher is built")."""
 
 from __future__ import annotations
 
@@ -81,9 +79,7 @@ class Done:
 def failure_status(line: str) -> int:
     """The exit status that a guard's failure line reports (1 if none)."""
     found = re.findall(r"(exited with status|was killed by signal) (\d+)", line)
-    if not found:
-        return 1
-    how, number = found[-1]
+    how, number = found[-1] if found else ("exited with status", "1")
     return int(number) + (128 if how.startswith("was killed") else 0)
 
 
@@ -104,9 +100,7 @@ class ProcessContext:
 
     def __init__(self) -> None:
         self.procs: list[Proc] = []
-        #: (process, main) in start order; the job is done when every main process (the workers,
-        #: or what stands for them) has exited 0 and the helpers (scheduler, servers) then by themselves
-        self.watched: list[tuple[Watched, bool]] = []
+        self.watched: list[tuple[Watched, bool]] = []  # (process, main), in start order: see wait()
         self.on_stop: Optional[Callable[[], None]] = None  # run once when the job stops early: cancel cluster jobs
         self._lock = threading.Lock()
 
@@ -239,14 +233,14 @@ class Planned:
 
 
 class Backend:
-    """How one launcher plans, starts and cancels the job's processes. The defaults start the
-    :meth:`processes` here (local, ssh, mpirun, srun); batch systems override :meth:`start`."""
+    """How one launcher plans, starts and cancels the job's processes; by default, its :meth:`processes` here."""
 
     title = ""  # the heading of the --dry-run output
     address: Optional[str] = None  # the scheduler runs here, bound to this; None: it runs elsewhere
     guarded = True  # the scheduler runs under pskv.launch.guard --watch-stdin
     scheduler_show: Show = "prefix"
     slack = 0.0  # seconds added to --timeout (time in a queue)
+    ctx: Optional[ProcessContext] = None  # the job's processes, once run_job has started
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
@@ -289,7 +283,7 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         finally:
             backend.close(0)
     backend.prepare()
-    ctx = ProcessContext()
+    ctx = backend.ctx = ProcessContext()
     ctx.on_stop = lambda: backend.cancel(ctx)
 
     def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
-from .job import Backend, Planned, ProcessContext, Show, run_job
+from .job import Backend, Planned, Show, run_job
 from .spec import ROLES, SERVE, JobSpec, free_port
 
 
@@ -19,12 +19,11 @@ class Local(Backend):
     def __init__(self, spec: JobSpec, quiet: bool = False):
         super().__init__(spec)
         self.quiet = quiet
-        self.scheduler_show = "tail" if quiet else "prefix"
-        self.ctx: Optional[ProcessContext] = None
+        self.scheduler_show: Show = "tail" if quiet else "prefix"  # quiet: keep only the last lines, for a failure report
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec, here, n = self.spec, self.address, self.spec.num_workers
-        show: Show = "tail" if self.quiet else "prefix"  # quiet: keep only the last lines, for a failure report
+        show = self.scheduler_show
         out = [
             Planned(f"server {s}", SERVE, spec.process_env("server", here, port, s, base=spec.environ), show=show)
             for s in range(spec.num_servers)
@@ -35,10 +34,6 @@ class Local(Backend):
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
             out.append(Planned(f"worker {w}", spec.argv("worker"), env, main=True, show="raw" if self.quiet and w == 0 else show))
         return out
-
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
-        self.ctx = ctx
-        super().start(ctx, port)
 
     def close(self, status: Optional[int]) -> None:
         path = {**self.spec.environ, **self.spec.env}.get("PSKV_TIMELINE")

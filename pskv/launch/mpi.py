@@ -85,9 +85,9 @@ class Mpi(Backend):
         if self.spec.sync_dst_dir:
             if not self.spec.hosts:
                 raise LaunchError("--sync-dst-dir with the mpi launcher needs the hosts: -H/--hostfile FILE")
-            from .ssh import destinations, sync
+            from .ssh import destinations, reach
 
-            sync(self.spec, destinations(self.spec, self.spec.hosts), self.spec.sync_dst_dir)
+            reach(self.spec, destinations(self.spec, self.spec.hosts))
 
     def close(self, status: Optional[int]) -> None:
         if self.hostfile:

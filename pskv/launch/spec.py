@@ -1,7 +1,5 @@
-"""The job: what ``pskv launch`` was asked to run (:class:`JobSpec`), the environment of each of its
-processes (:meth:`JobSpec.process_env`, the one builder of the contract of SPEC.md section 8 that
-docs/launchers/README.md lists), and the hosts: hostfiles, placement, the scheduler's address.
-"""
+"""The job (:class:`JobSpec`), the one builder of each process's environment (:meth:`JobSpec.process_env`),
+and the hosts: hostfiles, placement, the scheduler's address (docs/launchers/README.md)."""
 
 from __future__ import annotations
 

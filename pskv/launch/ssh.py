@@ -20,8 +20,7 @@ from .spec import Host, JobSpec, free_port, place, scheduler_address, shell_comm
 SSH_OPTIONS = ("-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-T")
 #: seconds a remote guard waits between SIGTERM and SIGKILL (less than the launcher's grace)
 REMOTE_GRACE = "3"
-#: clients started to one machine at a time, and the pause between such waves: sshd drops
-#: connections beyond MaxStartups (default 10) that are still authenticating
+#: clients started to one machine at a time, and the pause between such waves (sshd's MaxStartups: ssh.md)
 STARTUP_WAVE = 8
 STARTUP_PAUSE = 0.5
 
@@ -89,12 +88,14 @@ def distinct(dests: dict[Host, Destination]) -> list[Host]:
     return list(first.values())
 
 
-def sync(spec: JobSpec, dests: dict[Host, Destination], dst: str) -> None:
-    """Check every host, then copy the working directory to ``dst`` on each distinct destination."""
-    if shutil.which("rsync") is None:
+def reach(spec: JobSpec, dests: dict[Host, Destination]) -> None:
+    """Check every host; with ``--sync-dst-dir``, copy the working directory to each distinct destination."""
+    dst = spec.sync_dst_dir
+    if dst and shutil.which("rsync") is None:
         raise LaunchError("--sync-dst-dir needs rsync here, and it is not on PATH")
     on_each(list(dests), lambda h: ssh_argv(spec, h, "true"), "cannot reach", timeout=60)
-    on_each(distinct(dests), lambda h: rsync_argv(spec, h, dst), f"could not copy {os.getcwd()} to {dst} on", timeout=3600)
+    if dst:
+        on_each(distinct(dests), lambda h: rsync_argv(spec, h, dst), f"could not copy {os.getcwd()} to {dst} on", timeout=3600)
 
 
 class Ssh(Backend):
@@ -114,10 +115,7 @@ class Ssh(Backend):
 
     def prepare(self) -> None:
         spec = self.spec
-        if spec.sync_dst_dir:
-            sync(spec, self.dests, spec.sync_dst_dir)
-        else:
-            on_each(spec.hosts, lambda h: ssh_argv(spec, h, "true"), "cannot reach", timeout=60)
+        reach(spec, self.dests)
         probe = shell_command([spec.python, "-c", "import pskv.launch.guard"], cwd=self.cwd)
         failure = f"`{spec.python}` cannot import pskv in {self.cwd} (install pskv there, or pass --python) on"
         on_each(spec.hosts, lambda h: ssh_argv(spec, h, probe), failure, timeout=120)
