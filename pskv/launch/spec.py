@@ -129,7 +129,7 @@ def scheduler_address(environ: Mapping[str, str], towards: Sequence[str] = ()) -
     remote = [ip for ip in resolved if not ipaddress.ip_address(ip).is_loopback]
     if remote:
         return route_address(remote[0])
-    return "127.0.0.1" if resolved else route_address("192.0.2.1")  # 192.0.2.1: no packet is sent; the default route
+    return "127.0.0.1" if resolved else route_address("192.0.2.1")  # no packet sent: the default route's address
 
 
 @dataclass
