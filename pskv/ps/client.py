@@ -44,11 +44,11 @@ Queued = tuple[Sequence[int], Sequence[Any], Entry, Any]  # a row, its frames, t
 class WorkerClient(Node):
     """A worker's connection to the job. Every method may be called from any thread."""
 
-    def __init__(self, env: JobEnv, van: Optional[Van] = None):
-        super().__init__(env, van)
+    def __init__(self, env: JobEnv):
+        super().__init__(env)
         self.data = Van()  # the connections to the servers (``self.van`` has the scheduler's)
         self._receiving = threading.Lock()  # held by the thread that receives the servers' answers
-        self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), lambda: self.fatal, self._pump)
+        self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), self._pump)
         self.shared = shm.Shared()
         self.shm_servers: set[int] = set()
         self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
@@ -62,7 +62,6 @@ class WorkerClient(Node):
         self._lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
         self._stop = False
-        self.fatal: Optional[BaseException] = None
 
     @property
     def num_workers(self) -> int:
@@ -109,8 +108,7 @@ class WorkerClient(Node):
         handle = Handle(self.tracker)
         parts = len((msg.meta or {}).get("parts", [])) if msg.type in BATCHED else 1  # INIT: answered part by part
         peer = "scheduler" if to == SCHEDULER else f"server {to}"
-        req = self.tracker.open(msg.type, what, peer, [(handle, None, None)] * parts, on_reply)
-        msg.req_id = req.req_id
+        req = self.tracker.open(msg, what, peer, [(handle, None, None)] * parts, on_reply)
         if to == SCHEDULER:
             with self._lock:  # the I/O thread owns that connection: it sends what is queued
                 self._queued.append((peer, msg, req))
@@ -157,11 +155,10 @@ class WorkerClient(Node):
                 frames = [f for q in batch for f in q[1]]
                 table = (PUSH if kind == Type.PUSH else PULL).pack([q[0] for q in batch])
                 msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
-                req = self.tracker.open(kind, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q[2] for q in batch])
+                req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q[2] for q in batch])
                 if server in self.shm_servers:  # answers may be slots of its shared memory
                     pid = int(self.servers[server]["pid"])
                     req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
-                msg.req_id = req.req_id
                 t0 = timeline.now()
                 waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
                 timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
@@ -170,11 +167,12 @@ class WorkerClient(Node):
                         handle.sent.append(waiter)
 
     def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:
+        """Send ``msg`` to ``peer`` (the scheduler, or a server's connection); ``req`` fails if it cannot go."""
         try:
             with self._lock:
-                return self.data.send(peer, msg, track=track)
+                return (self.van if peer == "scheduler" else self.data).send(peer, msg, track=track)
         except PeerUnreachable as exc:
-            self.tracker.fail(req, exc)
+            self.tracker.close(req, exc)
             return None
 
     def _pump(self, timeout: float) -> None:
@@ -201,7 +199,7 @@ class WorkerClient(Node):
     def _check_open(self) -> None:
         if self._stop:
             raise StoreClosedError("the store's connection to the job is closed")
-        if self.fatal is not None:
+        if self.tracker.fatal is not None:
             self.check()
 
     # -- waiting ------------------------------------------------------------------------------------
@@ -242,10 +240,10 @@ class WorkerClient(Node):
         if self._thread is None or self._stop:
             return
         try:
-            if self.fatal is None:
+            if self.tracker.fatal is None:
                 self.flush()
                 until = time.monotonic() + self.tracker.timeout
-                while len(self.tracker) and time.monotonic() < until and self.fatal is None:
+                while len(self.tracker) and time.monotonic() < until and self.tracker.fatal is None:
                     self._pump(0.05)
                 done = self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing")
                 until = time.monotonic() + 10.0
@@ -271,13 +269,13 @@ class WorkerClient(Node):
                 timeout = (0.25 if self._dozing else FLUSH_DELAY) if due is None else max(0.0, due - now)
                 for _, msg in self.van.recv(timeout):
                     if not isinstance(msg, ProtocolError):
-                        self.heard_from_scheduler()
+                        self.last_heard = time.monotonic()
                         self._control(msg)
                 now = time.monotonic()
                 self.tick(now)
                 self.tracker.expire(now)
         except BaseException as exc:
-            self._die(exc if isinstance(exc, PSKVError) else ClusterError(f"the worker's I/O thread failed: {exc!r}"))
+            self.tracker.fail_all(exc if isinstance(exc, PSKVError) else ClusterError(f"the worker's I/O thread failed: {exc!r}"))
         finally:
             self._send_queued()
             self.van.close(linger=2.0)
@@ -289,20 +287,12 @@ class WorkerClient(Node):
         with self._lock:
             queued, self._queued = self._queued, []
         for peer, msg, req in queued:
-            try:
-                self.van.send(peer, msg)
-            except PeerUnreachable as exc:
-                self.tracker.fail(req, exc)
+            self._transmit(peer, msg, req)
 
     def _control(self, msg: Message) -> None:
         if msg.type == Type.NODE_FAILED:
-            self._die(failure(msg))
+            self.tracker.fail_all(failure(msg))
         elif msg.type == Type.SHUTDOWN:
-            self._die(NodeFailedError("the scheduler shut the job down"))
+            self.tracker.fail_all(NodeFailedError("the scheduler shut the job down"))
         elif msg.type in (Type.OK, Type.ERROR, Type.DATA):
             self.tracker.answer(msg)
-
-    def _die(self, exc: BaseException) -> None:
-        if self.fatal is None:
-            self.fatal = exc
-        self.tracker.fail_all(exc)

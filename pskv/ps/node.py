@@ -156,21 +156,21 @@ class Node:
     Owned by one thread (the server's loop or the worker client's I/O thread).
     """
 
-    def __init__(self, env: JobEnv, van: Optional[Van] = None):
+    def __init__(self, env: JobEnv):
         self.env = env
         self.role = env.role
-        self.van = van or Van()
+        self.van = Van()
         self.rank = -1
         self.servers: list[dict[str, Any]] = []
         self.workers: list[dict[str, Any]] = []
         self.hb_interval = config.heartbeat_interval()
         self.hb_timeout = config.heartbeat_timeout()
         self._next_hb = 0.0
-        self._last_heard = time.monotonic()
-        self.early: list[Received] = []  # messages from other nodes that arrived while joining
+        self.last_heard = time.monotonic()  # from the scheduler
 
-    def join(self, endpoint: Optional[str]) -> None:
-        """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``)."""
+    def join(self, endpoint: Optional[str]) -> list[Received]:
+        """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``); the
+        messages from other nodes that arrived meanwhile."""
         env = self.env
         self.van.connect("scheduler", env.scheduler_endpoint)
         meta: dict[str, Any] = {
@@ -187,6 +187,7 @@ class Node:
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
         until = time.monotonic() + wait
+        early: list[Received] = []
         while True:
             left = until - time.monotonic()
             if left <= 0:
@@ -196,7 +197,7 @@ class Node:
                 if isinstance(msg, Exception):
                     continue
                 if peer != "scheduler":
-                    self.early.append((peer, msg))
+                    early.append((peer, msg))
                 elif msg.type == Type.ERROR:
                     raise from_reply(msg.meta, f"the scheduler refused this {self.role}: ")
                 elif msg.type == Type.NODES:
@@ -204,17 +205,12 @@ class Node:
                     self.rank = int(table["rank"])
                     self.servers = list(table["servers"])
                     self.workers = list(table["workers"])
-                    self._last_heard = time.monotonic()
-                    return
+                    self.last_heard = time.monotonic()
+                    return early
 
     @property
     def name(self) -> str:
         return f"{self.role} {self.rank}"
-
-    def say(self, text: str) -> None:
-        """Log to stderr when ``PSKV_VERBOSE`` is set."""
-        if config.verbose():
-            print(f"pskv {self.name}: {text}", file=sys.stderr, flush=True)
 
     def tick(self, now: float) -> None:
         """Send a heartbeat when due; :class:`NodeFailedError` if the scheduler went silent."""
@@ -222,15 +218,18 @@ class Node:
             self._next_hb = now + self.hb_interval
             with contextlib.suppress(PeerUnreachable):  # silence is judged below
                 self.van.send("scheduler", Message(Type.HEARTBEAT))
-        silent = now - self._last_heard
+        silent = now - self.last_heard
         if silent > self.hb_timeout:
             raise NodeFailedError(
                 f"the scheduler at {self.env.scheduler_endpoint} has not answered for {silent:.1f} s "
                 f"(PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}); it is presumed dead"
             )
 
-    def heard_from_scheduler(self) -> None:
-        self._last_heard = time.monotonic()
+
+def say(who: str, text: str) -> None:
+    """Log to stderr when ``PSKV_VERBOSE`` is set."""
+    if config.verbose():
+        print(f"pskv {who}: {text}", file=sys.stderr, flush=True)
 
 
 def failure(msg: Message) -> NodeFailedError:

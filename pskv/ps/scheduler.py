@@ -15,7 +15,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, deadline, describe_node, finished_without, node_failed
 from .message import Message, Type, error_reply
-from .node import JobEnv
+from .node import JobEnv, say
 from .van import Van
 
 
@@ -55,11 +55,6 @@ class Scheduler:
         self.status: Optional[int] = None
         self.timeout = config.timeout()
         self.hb_timeout = config.heartbeat_timeout()
-        self.log = config.verbose()
-
-    def _say(self, text: str) -> None:
-        if self.log:
-            print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
@@ -72,7 +67,7 @@ class Scheduler:
         try:
             self.van.send(node.peer, msg)
         except Exception as exc:  # a peer that vanished must not take the scheduler down
-            self._say(f"could not send {msg.type.name} to {node}: {exc}")
+            say("scheduler", f"could not send {msg.type.name} to {node}: {exc}")
 
     def _broadcast(self, msg: Message, roles: tuple[str, ...] = ("server", "worker")) -> None:
         for node in self.nodes.values():
@@ -84,7 +79,7 @@ class Scheduler:
     def run(self) -> int:
         bound = self.van.listen(self.env.scheduler_endpoint)
         self._report_port(bound)
-        self._say(f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
+        say("scheduler", f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
         start_deadline = time.monotonic() + config.start_timeout()
         try:
             while self.status is None:
@@ -104,7 +99,7 @@ class Scheduler:
                     self._check_barriers(now)
         finally:
             self.van.close(linger=2.0)
-        self._say(f"exiting with status {self.status}")
+        say("scheduler", f"exiting with status {self.status}")
         return self.status
 
     def _report_port(self, bound: str) -> None:
@@ -151,7 +146,7 @@ class Scheduler:
             if any(n.meta.get("id") == wanted for n in self._members(role)):
                 raise ClusterError(f"two {role}s asked for id {wanted}")
         self.nodes[peer] = _Node(peer, role, meta)
-        self._say(f"{role} registered from {meta.get('hostname')} pid {meta.get('pid')}")
+        say("scheduler", f"{role} registered from {meta.get('hostname')} pid {meta.get('pid')}")
         if len(self._members("server")) == self.env.num_servers and len(self._members("worker")) == self.env.num_workers:
             self._start()
 
@@ -170,7 +165,7 @@ class Scheduler:
             n.last_seen = time.monotonic()
             self._send(n, Message(Type.NODES, meta={"rank": n.rank, **table}))
         self.started = True
-        self._say("all nodes registered; job started")
+        say("scheduler", "all nodes registered; job started")
 
     def _fail_start(self) -> None:
         have_s, have_w = len(self._members("server")), len(self._members("worker"))
@@ -223,7 +218,7 @@ class Scheduler:
             raise ClusterError("only workers finalize")
         node.finished = True
         self._send(node, msg.reply(Type.OK))
-        self._say(f"{node} finished")
+        say("scheduler", f"{node} finished")
         self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
         for group in list(self.barriers):
             if node in self._members(group):

@@ -32,7 +32,7 @@ from .message import (
     tensor_frame,
     torch_dtype,
 )
-from .node import JobEnv, Node, failure
+from .node import JobEnv, Node, failure, say
 from .rounds import Answer, InitEntry, Part, PullEntry, PushEntry, Rounds
 
 
@@ -45,20 +45,26 @@ class _Request:
 
 
 class _Frames:
-    """The payload frames of a request, taken in order as its table announces them."""
+    """The payload frames of a request, taken in order as its table or metadata announces them. As
+    a context it checks that every frame was taken, and makes a malformed field a ProtocolError."""
 
-    def __init__(self, frames: list[Any], what: str):
-        self._it, self.what = iter(frames), what
+    def __init__(self, msg: Message):
+        self._it, self.what = iter(msg.frames), msg.type.name
 
     def take(self) -> Any:
         frame = next(self._it, None)
         if frame is None:
-            raise ProtocolError(f"{self.what} has fewer payload frames than its table announces")
+            raise ProtocolError(f"a {self.what} has fewer payload frames than it announces")
         return frame
 
-    def end(self) -> None:
-        if next(self._it, None) is not None:
-            raise ProtocolError(f"{self.what} has more payload frames than its table announces")
+    def __enter__(self) -> _Frames:
+        return self
+
+    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
+        if isinstance(exc, (KeyError, TypeError, ValueError)):
+            raise ProtocolError(f"a {self.what} with malformed metadata: {exc!r}") from None
+        if exc is None and next(self._it, None) is not None:
+            raise ProtocolError(f"a {self.what} has more payload frames than it announces")
 
 
 class Server(Node):
@@ -80,16 +86,15 @@ class Server(Node):
     def run(self) -> int:
         endpoint = self.van.listen(self.env.listen_endpoint())
         try:
-            self.join(endpoint)
+            backlog = self.join(endpoint)
         except PSKVError as exc:
             print(f"pskv server: {exc}", file=sys.stderr, flush=True)
             self.van.close(linger=0)
             return 1
         if not self.env.inproc:
             torch.set_num_threads(config.server_threads())
-        self.say(f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers)")
+        say(self.name, f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers)")
         timeline.start("server", self.rank)
-        backlog, self.early = self.early, []
         next_sweep = 0.0
         try:
             while self.status is None:
@@ -107,7 +112,7 @@ class Server(Node):
                 self._flush()
         finally:
             self.van.close(linger=2.0)
-        self.say(f"exiting with status {self.status}")
+        say(self.name, f"exiting with status {self.status}")
         return self.status
 
     def _stop(self, exc: NodeFailedError) -> None:
@@ -121,7 +126,7 @@ class Server(Node):
             self._send(peer, error_reply(None, msg))
             return
         if peer == "scheduler":
-            self.heard_from_scheduler()
+            self.last_heard = time.monotonic()
             self._control(msg)
             return
         req = _Request(self.reply_to.get(peer, peer), msg)
@@ -197,7 +202,7 @@ class Server(Node):
             raise ProtocolError(f"a {msg.type.name} on a connection that has not said HELLO")
         t0 = timeline.now()
         if msg.type == Type.INIT:
-            self._deliver(self.rounds.init(req, rank, str((msg.meta or {}).get("mode")), self._init_entries(msg, rank)))
+            self._deliver(self.rounds.init(req, rank, str((msg.meta or {}).get("mode")), self._init_entries(msg)))
         elif msg.type == Type.PUSH:
             pushes = self._push_entries(msg, rank, req)
             self._deliver(self.rounds.push(req, rank, pushes))  # merges and updates the rounds it completes
@@ -233,30 +238,25 @@ class Server(Node):
         req.route = self.reply_to[peer] = self.routes[rank]
         self._send(req.route, req.msg.reply(Type.OK))
 
-    def _init_entries(self, msg: Message, rank: int) -> list[InitEntry]:
-        try:
+    def _init_entries(self, msg: Message) -> list[InitEntry]:
+        with _Frames(msg) as frames:
             entries = [
                 InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), None)
                 for key, index, dtype, numel, row_numel, _row_sparse, name in (msg.meta or {})["parts"]
             ]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad INIT metadata: {exc!r}") from None
-        if msg.frames:
-            if len(msg.frames) != len(entries):
-                raise ProtocolError(f"an INIT of {len(entries)} parts with {len(msg.frames)} values")
-            entries = [e._replace(value=frame_tensor(f, e.dtype, e.numel)) for e, f in zip(entries, msg.frames)]
+            if msg.frames:  # worker 0's: a value per part
+                entries = [e._replace(value=frame_tensor(frames.take(), e.dtype, e.numel)) for e in entries]
         return entries
 
     def _push_entries(self, msg: Message, rank: int, req: _Request) -> list[PushEntry]:
         """Decode every part of a push (checked, nothing applied): gradients as ``rows x row_numel``."""
-        frames = _Frames(msg.frames, "a push")
         entries = []
-        for row in PUSH.unpack(frames.take()):
-            p = self.rounds.part(row.key, row.part)
-            grad = self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg)
-            entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply)))
-            req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
-        frames.end()
+        with _Frames(msg) as frames:
+            for row in PUSH.unpack(frames.take()):
+                p = self.rounds.part(row.key, row.part)
+                grad = self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg)
+                entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply)))
+                req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         return entries
 
     def _gradient(self, p: Part, row: Any, payload: list[Any], rank: int, msg: Message) -> Tensor:
@@ -282,16 +282,15 @@ class Server(Node):
         raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
 
     def _pull_entries(self, msg: Message, req: _Request) -> list[PullEntry]:
-        frames = _Frames(msg.frames, "a pull")
         entries = []
-        for row in PULL.unpack(frames.take()):
-            wanted = frame_tensor(frames.take(), torch.int64) if row.rows else None
-            rescale = bits_float(row.rescale) if row.rescale else None
-            if rescale is not None and not math.isfinite(rescale):
-                raise ProtocolError(f"a pull with rescale {rescale}")
-            entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale))
-            req.shm.append(bool(row.shm))
-        frames.end()
+        with _Frames(msg) as frames:
+            for row in PULL.unpack(frames.take()):
+                wanted = frame_tensor(frames.take(), torch.int64) if row.rows else None
+                rescale = bits_float(row.rescale) if row.rescale else None
+                if rescale is not None and not math.isfinite(rescale):
+                    raise ProtocolError(f"a pull with rescale {rescale}")
+                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale))
+                req.shm.append(bool(row.shm))
         return entries
 
     def _storage(self, p: Part) -> Tensor:
@@ -325,14 +324,10 @@ class Server(Node):
         desc = meta.get("optimizer")
         if not isinstance(desc, dict) or not isinstance(meta.get("parts"), list):
             raise ProtocolError("SET_STATES needs an optimizer description and a list of parts")
-        frames = _Frames(msg.frames, "SET_STATES")
         entries = []
-        try:
+        with _Frames(msg) as frames:
             for e in meta["parts"]:
                 p = self.rounds.part(int(e["key"]), int(e["part"]))
                 entries.append((p, int(e["step"]), {str(n): frame_tensor(frames.take(), p.dtype, p.numel) for n in e["names"]}))
             num_update = int(meta.get("num_update", 0))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad SET_STATES metadata: {exc!r}") from None
-        frames.end()
         self.rounds.load_states(desc, num_update, entries)

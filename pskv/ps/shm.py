@@ -29,25 +29,16 @@ def mode() -> str:
 
 
 class Arena:
-    """A shared region this process owns; slots are handed out by :meth:`alloc` (never freed)."""
+    """A shared region this process owns; ``used`` bytes of it are handed out as slots (never freed)."""
 
     def __init__(self, size: int = DEFAULT_ARENA):
-        self.size = max(size, ALIGN)
+        self.size = size
         self.fd = os.memfd_create("pskv", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, self.size)
         self.mm = mmap.mmap(self.fd, self.size)
         self.token = secrets.token_bytes(16)
         HEADER.pack_into(self.mm, 0, MAGIC, self.token)
         self.used = ALIGN
-
-    def alloc(self, nbytes: int) -> Optional[int]:
-        """The offset of a fresh slot of ``nbytes``, or None when the arena is full."""
-        start = self.used
-        end = start + -(-max(nbytes, 1) // ALIGN) * ALIGN
-        if end > self.size:
-            return None
-        self.used = end
-        return start
 
     def pin(self) -> None:
         """Page-lock the arena for CUDA, so copies between it and a GPU run asynchronously."""
@@ -74,12 +65,12 @@ class Shared:
 
     def slot(self, nbytes: int) -> tuple[Arena, int]:
         """A fresh slot of ``nbytes`` in one of our arenas, and its offset."""
-        offset = self.arenas[-1].alloc(nbytes) if self.arenas else None
-        if offset is None:
+        size = -(-max(nbytes, 1) // ALIGN) * ALIGN
+        if not self.arenas or self.arenas[-1].used + size > self.arenas[-1].size:
             self.arenas.append(Arena(max(DEFAULT_ARENA, nbytes + 2 * ALIGN)))
-            offset = self.arenas[-1].alloc(nbytes)
-        assert offset is not None
-        return self.arenas[-1], offset
+        arena = self.arenas[-1]
+        offset, arena.used = arena.used, arena.used + size
+        return arena, offset
 
     def probe(self) -> dict[str, Any]:
         """What a peer needs to map our first arena: the SHM_PROBE metadata (and its answer)."""
@@ -109,13 +100,10 @@ class Shared:
                 raise ProtocolError(f"cannot open shared memory {path}: {exc}") from None
             try:
                 size = os.fstat(handle).st_size
-                if size < HEADER.size:
-                    raise ProtocolError(f"{path} is not a pskv arena")
-                mm = mmap.mmap(handle, size)
+                mm = mmap.mmap(handle, size) if size >= HEADER.size else None
             finally:
                 os.close(handle)
-            if HEADER.unpack_from(mm, 0)[0] != MAGIC:
-                mm.close()
+            if mm is None or HEADER.unpack_from(mm, 0)[0] != MAGIC:
                 raise ProtocolError(f"{path} is not a pskv arena")
             self._maps[key] = mm
         if token is not None and HEADER.unpack_from(mm, 0)[1] != token:

@@ -48,10 +48,19 @@ class Handle:
 
     def wait(self) -> None:
         """Block until done (deadlines as for every call: ``PSKV_TIMEOUT``); raise the call's error."""
-        if self._tracker is not None:
+        tracker = self._tracker
+        if tracker is not None:
             if self._flush is not None and not self._done:
                 self._flush()
-            self._tracker.wait([self])
+            until = time.monotonic() + tracker.timeout + 5.0
+            while not self._done:
+                tracker.pump(0.05)
+                if self._done:
+                    break
+                tracker.raise_failure()  # it may be why this answer is not coming
+                if time.monotonic() > until:  # the I/O thread is gone; do not hang
+                    raise DeadlineExceeded("no answer within PSKV_TIMEOUT plus a margin, and the I/O thread stopped expiring requests")
+            tracker.raise_failure()  # the job's fatal error or a failed push's, if any
         if self.error is not None:
             _raise(self.error)
         finish, self._finish = self._finish, None
@@ -82,23 +91,25 @@ class Request:
 
 class Tracker:
     """Thread-safe table of open requests. ``pump(timeout)`` receives and handles answers for up
-    to ``timeout`` s (a waiting thread does it); ``fatal()`` is the job's fatal error, if any."""
+    to ``timeout`` s (a waiting thread does it); ``fatal`` is the job's fatal error, if any."""
 
-    def __init__(self, timeout: float, fatal: Callable[[], Optional[BaseException]], pump: Callable[[float], None]):
+    def __init__(self, timeout: float, pump: Callable[[float], None]):
         self.timeout = timeout
-        self.fatal = fatal
         self.pump = pump
+        self.fatal: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._open: dict[int, Request] = {}
         self._next = 1
         self._failed_pushes: list[BaseException] = []
 
-    def open(self, kind: Type, what: str, peer: str, entries: Iterable[Entry], on_reply: Optional[OnReply] = None) -> Request:
-        """A new request whose rows serve ``entries`` (one entry: a whole-message request)."""
+    def open(self, msg: Message, what: str, peer: str, entries: Iterable[Entry], on_reply: Optional[OnReply] = None) -> Request:
+        """A new request for ``msg`` (its ``req_id`` is set) whose rows serve ``entries`` (one entry:
+        a whole-message request)."""
         with self._lock:
-            req = Request(self._next, kind, what, peer, time.monotonic() + self.timeout, list(entries), on_reply)
+            req = Request(self._next, msg.type, what, peer, time.monotonic() + self.timeout, list(entries), on_reply)
             for handle, _, _ in req.entries:  # type: ignore[misc]
                 handle._left += 1
+            msg.req_id = self._next
             self._next += 1
             self._open[req.req_id] = req
             return req
@@ -119,7 +130,7 @@ class Tracker:
             if req.kind not in BATCHED:
                 if req.on_reply is not None:
                     req.on_reply(msg)
-                self._close(req, None)
+                self.close(req)
                 return
             frames = iter(msg.frames[1:])
             for row in ANSWER.unpack(msg.frames[0]):
@@ -136,11 +147,12 @@ class Tracker:
                 req.remaining -= 1
                 handle._settle()
             if req.remaining <= 0:
-                self._close(req, None)
+                self.close(req)
         except BaseException as exc:
-            self._close(req, exc)
+            self.close(req, exc)
 
-    def _close(self, req: Request, exc: Optional[BaseException]) -> None:
+    def close(self, req: Request, exc: Optional[BaseException] = None) -> None:
+        """Settle the calls ``req`` still serves (failed with ``exc``, if given), unless it is closed."""
         with self._lock:
             if self._open.pop(req.req_id, None) is None:
                 return
@@ -150,42 +162,25 @@ class Tracker:
             if entry is not None:
                 entry[0]._settle(exc)
 
-    def fail(self, req: Request, exc: BaseException) -> None:
-        """Fail one request (e.g. its message could not be sent)."""
-        self._close(req, exc)
-
     def fail_all(self, exc: BaseException) -> None:
+        """The job failed: ``exc`` becomes ``fatal`` (unless one came first); every request fails."""
+        self.fatal = self.fatal or exc
         with self._lock:
             victims = list(self._open.values())
         for r in victims:
-            self._close(r, exc)
+            self.close(r, exc)
 
     def expire(self, now: float) -> None:
         """Fail the requests past their deadline."""
         with self._lock:
             late = [r for r in self._open.values() if r.deadline < now]
         for r in late:
-            self._close(r, deadline(r.what, self.timeout, "PSKV_TIMEOUT plus a margin", self.timeout, f"an answer from {r.peer}"))
-
-    def wait(self, handles: Iterable[Handle]) -> None:
-        """Block until every handle is done (receiving answers meanwhile); raise the job's fatal
-        error or a failed push's, if any. A handle's own error is its waiter's to raise."""
-        until = time.monotonic() + self.timeout + 5.0
-        for h in handles:
-            while not h._done:
-                self.pump(0.05)
-                if h._done:
-                    break
-                self.raise_failure()  # it may be why this answer is not coming
-                if time.monotonic() > until:  # the I/O thread is gone; do not hang
-                    raise DeadlineExceeded("no answer within PSKV_TIMEOUT plus a margin, and the I/O thread stopped expiring requests")
-        self.raise_failure()
+            self.close(r, deadline(r.what, self.timeout, "PSKV_TIMEOUT plus a margin", self.timeout, f"an answer from {r.peer}"))
 
     def raise_failure(self) -> None:
         """Raise the job's fatal error, or the error of a push that failed since the last call, if any."""
-        fatal = self.fatal()
-        if fatal is not None:
-            _raise(fatal)
+        if self.fatal is not None:
+            _raise(self.fatal)
         with self._lock:
             exc = self._failed_pushes.pop(0) if self._failed_pushes else None
         if exc is not None:

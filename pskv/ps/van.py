@@ -131,11 +131,8 @@ class Van:
 
     def wake(self) -> None:
         """Make a blocked :meth:`recv` return now; safe from any thread."""
-        fd = self._wake_w
-        if fd < 0:
-            return
-        with contextlib.suppress(OSError):  # a wake-up is already pending, or the van is closed
-            os.write(fd, b"!")
+        with contextlib.suppress(OSError):  # a wake-up is already pending, or the van is closed (fd -1)
+            os.write(self._wake_w, b"!")
 
     def close(self, linger: float = 1.0) -> None:
         """Close every connection, trying for ``linger`` seconds to deliver what is queued."""
