@@ -1,10 +1,5 @@
-"""The worker's side of the parameter-server system: sending requests, receiving answers.
-
-A store call sends one whole message (:meth:`WorkerClient.send`) or queues a row per part for each
-server's next PUSH or PULL (:meth:`WorkerClient.queue`, :meth:`WorkerClient.flush`). Answers are
-received by the thread that waits for them; the I/O thread is the control plane (docs/DESIGN.md,
-"Threads of a worker").
-"""
+"""The worker's side of the parameter-server system: sending requests (a whole message, or a row per
+part queued for each server's next PUSH or PULL) and receiving answers (docs/DESIGN.md, "Threads of a worker")."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ class Type(enum.IntEnum):
     """Message types, with what their metadata (meta) and payload carry."""
 
     # node <-> scheduler
-    REGISTER = 1  # meta: role, endpoint, host, hostname, pid, shm_host, id (optional)
+    REGISTER = 1  # meta: role, endpoint, host, hostname, pid, shm_host, id (the rank asked for, or null)
     NODES = 2  # meta: rank (this node's), servers, workers (the node table)
     BARRIER = 3  # meta: group ("worker", "server", "all"), value (optional, JSON)
     HEARTBEAT = 5

@@ -180,10 +180,8 @@ class Node:
             "hostname": socket.gethostname(),
             "pid": os.getpid(),
             "shm_host": host_identity(),
+            "id": env.worker_id if self.role == "worker" else env.server_id,  # None: the scheduler picks
         }
-        wanted = env.worker_id if self.role == "worker" else env.server_id
-        if wanted is not None:
-            meta["id"] = wanted
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
         until = time.monotonic() + wait

@@ -161,9 +161,7 @@ class Rounds:
                 raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []
         for i, e in enumerate(entries):
-            p = self.parts.get((e.key, e.part))
-            if p is None:
-                p = self.parts[(e.key, e.part)] = Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode)
+            p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode))
             p.initialised_by.add(rank)
             p.inits.append(Waiting(req, i))
             if e.value is not None:

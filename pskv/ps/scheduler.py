@@ -1,8 +1,5 @@
-"""The scheduler: registration and ranks, barriers, heartbeats, failure notices, shutdown.
-
-It moves control messages only and never imports torch. docs/DESIGN.md ("Processes", "Never a
-silent hang") tells its life: the start, barriers, a node declared dead, the end.
-"""
+"""The scheduler: registration and ranks, barriers, heartbeats, failure notices, shutdown; control
+messages only, never torch (docs/DESIGN.md, "Processes" and "Never a silent hang", tells its life)."""
 
 from __future__ import annotations
 

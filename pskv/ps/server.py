@@ -174,8 +174,7 @@ class Server(Node):
             if a.value is None:
                 rows.append((a.entry, -1, 0, 0))
             elif a.part is not None and a.part.home is not None and req.shm[a.entry]:
-                fd, offset = a.part.home  # the worker copies the value out of our shared memory
-                rows.append((a.entry, fd, offset, a.part.nbytes))
+                rows.append((a.entry, *a.part.home, a.part.nbytes))  # the worker copies it out of our shared memory
             else:  # a sync value goes without a copy (docs/DESIGN.md, "Two data paths")
                 rows.append((a.entry, -1, 0, a.value.numel() * a.value.element_size()))
                 frames.append(tensor_frame(a.value))

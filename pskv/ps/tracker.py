@@ -1,9 +1,6 @@
-"""What a worker waits for: requests sent and not answered yet, and the calls (:class:`Handle`) they serve.
-
-A data request (PUSH, PULL) carries a row per part, each serving a store call, and is answered row
-by row; any other request serves one call. A push that fails makes the next call on the store
-fail, and any wait in progress too: the round it waits for may never come.
-"""
+"""What a worker waits for: requests sent and not answered yet, and the calls (:class:`Handle`) they
+serve (a data request's rows are answered one by one). A push that fails makes the next call on the
+store fail, and any wait in progress too: the round it waits for may never come."""
 
 from __future__ import annotations
 

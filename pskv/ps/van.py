@@ -62,8 +62,7 @@ class Van:
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
         self._router = sock
         self._poller.register(sock, zmq.POLLIN)
-        bound = sock.getsockopt(zmq.LAST_ENDPOINT)
-        return bound.decode() if isinstance(bound, bytes) else str(bound)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, peer: str, endpoint: str, receive: bool = True) -> None:
         """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
