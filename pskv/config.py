@@ -8,8 +8,8 @@ variable                   default  meaning
 ``PSKV_HEARTBEAT_TIMEOUT`` 30       seconds of silence after which a node is declared dead
 ``PSKV_HEARTBEAT_INTERVAL`` 1       seconds between heartbeats (kept below the timeout / 3)
 ``PSKV_BIGARRAY_BOUND``    65536    arrays with at least this many elements are cut over all servers (MXNet: 1e6)
-``PSKV_CHUNK_BYTES``       4194304  big slices are cut into parts of at most this many bytes (0: not cut; across hosts 262144 is faster)
-``PSKV_BATCH_BYTES``       8388608  a push goes to a TCP server in messages of about this many bytes (across hosts 262144 is faster)
+``PSKV_CHUNK_BYTES``       4 MB     big slices are cut into parts of at most this many bytes (0: not cut); 256 KB when the job spans hosts
+``PSKV_BATCH_BYTES``       8 MB     a push goes to a TCP server in messages of about this many bytes; 256 KB when the job spans hosts
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
@@ -54,9 +54,16 @@ timeout = partial(getenv, "PSKV_TIMEOUT", 300.0)
 start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0)
 heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0)
 verbose = partial(getenv, "PSKV_VERBOSE", False)
-chunk_bytes = partial(getenv, "PSKV_CHUNK_BYTES", 4 << 20, least=0)
-batch_bytes = partial(getenv, "PSKV_BATCH_BYTES", 8 << 20, least=1)
 server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2)), least=1)
+
+
+def chunk_bytes(across_hosts: bool) -> int:
+    """Small parts across hosts let answers flow down a link while pushes flow up (benchmarks/RESULTS.md)."""
+    return getenv("PSKV_CHUNK_BYTES", 256 << 10 if across_hosts else 4 << 20, least=0)
+
+
+def batch_bytes(across_hosts: bool) -> int:
+    return getenv("PSKV_BATCH_BYTES", 256 << 10 if across_hosts else 8 << 20, least=1)
 
 
 def heartbeat_interval() -> float:

@@ -57,7 +57,7 @@ class DistStore(KVStore):
             raise
         timeline.start("worker", self._client.rank)
         self._bound = config.bigarray_bound()
-        self._chunk = config.chunk_bytes()
+        self._chunk = config.chunk_bytes(self._client.across_hosts)
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)

@@ -47,7 +47,6 @@ class WorkerClient(Node):
         self.shared = shm.Shared()
         self.shm_servers: set[int] = set()
         self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
-        self._batch_bytes = config.batch_bytes()
         self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
         self._pending_bytes: dict[int, int] = {}
         self._first_queued: Optional[float] = None  # rows queued without waiting: the first's time
@@ -70,6 +69,7 @@ class WorkerClient(Node):
         """Join the job (blocks until every node registered), start the I/O thread, say HELLO,
         and share memory with the servers on this host (``PSKV_SHM``)."""
         self.join(None)
+        self._batch_bytes = config.batch_bytes(self.across_hosts)
         if not self.servers:
             self.van.close(linger=0)
             self.data.close(linger=0)

@@ -168,6 +168,11 @@ class Node:
         self._next_hb = 0.0
         self.last_heard = time.monotonic()  # from the scheduler
 
+    @property
+    def across_hosts(self) -> bool:
+        """The job's nodes (in the table ``join`` got) are on more than one host."""
+        return len({n.get("host") for n in [*self.servers, *self.workers]}) > 1
+
     def join(self, endpoint: Optional[str]) -> list[Received]:
         """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``); the
         messages from other nodes that arrived meanwhile."""
