@@ -22,9 +22,12 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The line counts of the core and the app against their budgets (issue 11). The core is still over
+# its budget, so for now the count is printed and does not fail the build; drop the `||` part once it fits.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(PY) scripts/count_lines.py || echo "make lint: over the line budget (printed above); not failing until the core first fits"
 
 # The launcher tests start real sshd, mpirun, Slurm and Grid Engine daemons: as root on a
 # machine with apt-get the software is installed first (a no-op once present); elsewhere those
