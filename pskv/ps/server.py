@@ -61,7 +61,7 @@ class _Frames:
         return self
 
     def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> None:
-        if isinstance(exc, (KeyError, TypeError, ValueError)):
+        if isinstance(exc, (KeyError, TypeError, ValueError)) and not isinstance(exc, PSKVError):  # typed errors stay typed
             raise ProtocolError(f"a {self.what} with malformed metadata: {exc!r}") from None
         if exc is None and next(self._it, None) is not None:
             raise ProtocolError(f"a {self.what} has more payload frames than it announces")
