@@ -10,6 +10,10 @@ variable                   default  meaning
 ``PSKV_BIGARRAY_BOUND``    65536    arrays with at least this many elements are cut over all servers (MXNet: 1e6)
 ``PSKV_CHUNK_BYTES``       4 MB     big slices are cut into parts of at most this many bytes (0: not cut); 256 KB when the job spans hosts
 ``PSKV_BATCH_BYTES``       8 MB     a push goes to a TCP server in messages of about this many bytes; 256 KB when the job spans hosts
+``PSKV_MAX_MESSAGE_BYTES`` 64 MB    a server disconnects a client that sends a bigger frame; at least 2 x ``PSKV_CHUNK_BYTES``
+``PSKV_NONFINITE``         error    a pushed NaN/Inf: ``error`` (the push fails), ``skip`` (counted, pushed as 0) or ``allow``
+``PSKV_SECRET``            (none)   the job's secret (``pskv launch`` makes one); or ``PSKV_SECRET_FILE``, a file only its owner reads
+``PSKV_ENCRYPT``           0        1: encrypt every connection (CURVE, keys derived from the secret; slower, docs/DESIGN.md)
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
@@ -64,6 +68,34 @@ def chunk_bytes(across_hosts: bool) -> int:
 
 def batch_bytes(across_hosts: bool) -> int:
     return getenv("PSKV_BATCH_BYTES", 256 << 10 if across_hosts else 8 << 20, least=1)
+
+
+def max_frame_bytes() -> int:
+    chunk = chunk_bytes(False)
+    return getenv("PSKV_MAX_MESSAGE_BYTES", max(64 << 20, 2 * chunk) if chunk else 0, least=0)
+
+
+def nonfinite() -> str:
+    value = getenv("PSKV_NONFINITE", "error").lower()
+    if value not in ("error", "skip", "allow"):
+        raise ValueError(f"PSKV_NONFINITE={value!r}: use error, skip or allow")
+    return value
+
+
+def secret() -> Optional[bytes]:
+    """The job's secret from ``PSKV_SECRET``, or the file ``PSKV_SECRET_FILE`` (readable by its owner only)."""
+    value, path = os.environ.get("PSKV_SECRET", "").strip(), os.environ.get("PSKV_SECRET_FILE", "").strip()
+    if not value and path:
+        try:
+            if os.stat(path).st_mode & 0o077:
+                raise ValueError(f"PSKV_SECRET_FILE={path} may be read by others; `chmod 600 {path}`")
+            with open(path) as f:
+                value = f.read().strip()
+        except OSError as exc:
+            raise ValueError(f"PSKV_SECRET_FILE={path}: {exc.strerror or exc}") from None
+    if value and len(value) < 16:
+        raise ValueError("the job's secret (PSKV_SECRET or PSKV_SECRET_FILE) must have at least 16 characters")
+    return value.encode() if value else None
 
 
 def heartbeat_interval() -> float:

@@ -14,7 +14,7 @@ from typing import Any
 __all__ = [  # the error classes: what ``from pskv.errors import *`` gives
     "ClusterError", "CompressionError", "DTypeMismatchError", "DeadlineExceeded", "DuplicateInitError",
     "InvalidValueError", "KVStoreError", "KeyNotInitializedError", "KeyTypeError", "LaunchError",
-    "NodeFailedError", "OptimizerError", "OptimizerRequiredError", "PSKVError", "ProtocolError",
+    "NodeFailedError", "NonFiniteError", "OptimizerError", "OptimizerRequiredError", "PSKVError", "ProtocolError",
     "ShapeMismatchError", "SparseError", "StoreClosedError", "TrainerError", "ValueCountError",
 ]
 
@@ -30,6 +30,7 @@ class DTypeMismatchError(KVStoreError, TypeError): ...  # a value's dtype differ
 class SparseError(KVStoreError, ValueError): ...  # dense ``out`` for a row-sparse key, bad row ids
 class ValueCountError(KVStoreError, ValueError): ...  # unequal numbers of keys and values, empty lists
 class InvalidValueError(KVStoreError, TypeError): ...  # a value that is not a tensor (or list of tensors)
+class NonFiniteError(KVStoreError, ValueError): ...  # a pushed gradient with NaN or Inf (PSKV_NONFINITE)
 class OptimizerRequiredError(KVStoreError): ...  # ``dist_async`` push without a server-side optimizer
 class StoreClosedError(KVStoreError): ...  # a call after ``close()``
 class OptimizerError(PSKVError, ValueError): ...  # unknown optimizer, bad hyperparameter or state file

@@ -19,12 +19,14 @@ class InprocJob:
     in threads of :meth:`run_workers`. :meth:`join` checks every role exited with status 0.
     """
 
-    def __init__(self, workers: int = 1, servers: int = 1):
+    def __init__(self, workers: int = 1, servers: int = 1, tcp: bool = False):
+        from pskv.launch.spec import free_port
         from pskv.ps.scheduler import Scheduler
         from pskv.ps.server import Server
 
         self.workers, self.servers = workers, servers
-        self.root = f"inproc://pskv-test-{uuid.uuid4().hex[:10]}"
+        self.root = "127.0.0.1" if tcp else f"inproc://pskv-test-{uuid.uuid4().hex[:10]}"
+        self.port = free_port() if tcp else 0  # tcp: the same threads, over 127.0.0.1
         self.codes: dict[str, Optional[int]] = {}
         self.threads: list[threading.Thread] = []
         self._start("scheduler", lambda: Scheduler(self.env("scheduler")).run())
@@ -34,7 +36,7 @@ class InprocJob:
     def env(self, role: str, **kw: Any) -> Any:
         from pskv.ps.node import JobEnv
 
-        return JobEnv(role, self.root, 0, self.workers, self.servers, **kw)
+        return JobEnv(role, self.root, self.port, self.workers, self.servers, **kw)
 
     def _start(self, name: str, target: Callable[[], int]) -> None:
         def run() -> None:
@@ -84,8 +86,8 @@ def inproc_job() -> Iterator[Callable[..., InprocJob]]:
     """``inproc_job(workers, servers)`` makes a job; every one made is joined at teardown."""
     jobs: list[InprocJob] = []
 
-    def make(workers: int = 1, servers: int = 1) -> InprocJob:
-        job = InprocJob(workers, servers)
+    def make(workers: int = 1, servers: int = 1, tcp: bool = False) -> InprocJob:
+        job = InprocJob(workers, servers, tcp)
         jobs.append(job)
         return job
 
@@ -94,8 +96,53 @@ def inproc_job() -> Iterator[Callable[..., InprocJob]]:
         job.join()
 
 
+class OfflineServer:
+    """A 2-worker server whose transport is a recorder; both workers said HELLO."""
+
+    def __init__(self) -> None:
+        import os
+
+        from pskv.ps.message import Message, Type
+        from pskv.ps.node import JobEnv
+        from pskv.ps.server import Server
+
+        self.server = Server(
+            JobEnv("server", "inproc://pskv-fuzz", 0, num_workers=2, num_servers=1, server_id=0)
+        )
+        self.server.rank, self.server.workers = 0, [{"pid": os.getpid()}, {"pid": os.getpid()}]
+        self.replies: list[tuple[str, Any]] = []
+        self.server.van.send = lambda peer, msg, track=False: self.replies.append((peer, msg))  # type: ignore[method-assign]
+        for rank in (0, 1):
+            self.send(f"w{rank}", Message(Type.HELLO, meta={"rank": rank, "answers": True}))
+        assert [m.type for _, m in self.replies] == [Type.OK, Type.OK]
+
+    def send(self, peer: str, msg: Any) -> list[Any]:
+        from pskv.ps.message import encode
+
+        self.deliver(peer, encode(msg))
+        return [m for p, m in self.replies if p == peer]
+
+    def deliver(self, peer: str, frames: list[Any]) -> None:
+        from pskv.errors import ProtocolError
+        from pskv.ps.message import decode
+
+        try:
+            msg: Any = decode(frames)
+        except ProtocolError as exc:
+            msg = exc
+        self.server._dispatch(peer, msg)
+        self.server._flush()
+
+
+@pytest.fixture
+def offline_server(monkeypatch: pytest.MonkeyPatch) -> Callable[[], OfflineServer]:
+    """``offline_server()``: a server of a 2-worker job without sockets (:class:`OfflineServer`)."""
+    monkeypatch.setenv("PSKV_SHM", "0")  # no arena is mapped: fuzzed fds must never reach one
+    return OfflineServer
+
+
 # "dist_sync/tcp": the same store with shared memory switched off (PSKV_SHM=0), so both data
-# paths meet every semantic test
+# paths meet every semantic test; "dist_device_sync" runs with a job secret (authenticated connections)
 STORE_TYPES = ["local", "device", "dist_sync", "dist_sync/tcp", "dist_device_sync"]
 
 
@@ -110,6 +157,8 @@ def make_store(inproc_job: Callable[..., InprocJob], monkeypatch: pytest.MonkeyP
         name, _, path = store_type.partition("/")
         if path == "tcp":
             monkeypatch.setenv("PSKV_SHM", "0")
+        if name == "dist_device_sync":
+            monkeypatch.setenv("PSKV_SECRET", "semantic-tests-secret")
         kv = inproc_job(1, 2).worker(name) if name.startswith("dist") else pskv.kv.create(name)
         if name.startswith("dist"):  # the path under test is the one taken
             import os

@@ -41,7 +41,7 @@ class WorkerClient(Node):
 
     def __init__(self, env: JobEnv):
         super().__init__(env)
-        self.data = Van()  # the connections to the servers (``self.van`` has the scheduler's)
+        self.data = Van("worker")  # the connections to the servers (``self.van`` has the scheduler's)
         self._receiving = threading.Lock()  # held by the thread that receives the servers' answers
         self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), self._pump)
         self.shared = shm.Shared()
@@ -74,6 +74,7 @@ class WorkerClient(Node):
             self.van.close(linger=0)
             self.data.close(linger=0)
             raise ClusterError("this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, or use a local store")
+        self.data.identity, self.data.max_frame = ("worker", self.rank), config.max_frame_bytes()
         for s, info in enumerate(self.servers):
             self.data.connect(f"server {s}", info["endpoint"])
             self.data.connect(f"server {s}/tx", info["endpoint"], receive=False)
@@ -166,7 +167,7 @@ class WorkerClient(Node):
         try:
             with self._lock:
                 return (self.van if peer == "scheduler" else self.data).send(peer, msg, track=track)
-        except PeerUnreachable as exc:
+        except (PeerUnreachable, ProtocolError) as exc:
             self.tracker.close(req, exc)
             return None
 

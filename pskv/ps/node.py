@@ -159,7 +159,9 @@ class Node:
     def __init__(self, env: JobEnv):
         self.env = env
         self.role = env.role
-        self.van = Van()
+        self.van = Van(env.role)
+        asked = env.worker_id if env.role == "worker" else env.server_id
+        self.van.identity = (env.role, -1 if asked is None else asked)
         self.rank = -1
         self.servers: list[dict[str, Any]] = []
         self.workers: list[dict[str, Any]] = []
@@ -206,6 +208,7 @@ class Node:
                 elif msg.type == Type.NODES:
                     table = msg.meta or {}
                     self.rank = int(table["rank"])
+                    self.van.identity = (self.role, self.rank)
                     self.servers = list(table["servers"])
                     self.workers = list(table["workers"])
                     self.last_heard = time.monotonic()

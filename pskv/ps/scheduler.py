@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from .. import config
 from ..errors import ClusterError, deadline, describe_node, finished_without, node_failed
-from .message import Message, Type, error_reply
+from .message import MAX_META, Message, Type, error_reply
 from .node import JobEnv, say
 from .van import Van
 
@@ -45,7 +45,7 @@ class Scheduler:
 
     def __init__(self, env: JobEnv):
         self.env = env
-        self.van = Van()
+        self.van = Van("scheduler")
         self.nodes: dict[str, _Node] = {}
         self.started = False
         self.barriers: dict[str, _Barrier] = {}
@@ -74,7 +74,7 @@ class Scheduler:
     # -- main loop --------------------------------------------------------------------------------
 
     def run(self) -> int:
-        bound = self.van.listen(self.env.scheduler_endpoint)
+        bound = self.van.listen(self.env.scheduler_endpoint, max_frame=MAX_META)
         self._report_port(bound)
         say("scheduler", f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
         start_deadline = time.monotonic() + config.start_timeout()

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .. import config
 from ..compression import Codec
-from ..errors import ClusterError, NodeFailedError, ProtocolError, PSKVError
+from ..errors import ClusterError, NodeFailedError, NonFiniteError, ProtocolError, PSKVError
 from . import shm, timeline
 from .message import (
     ANSWER,
@@ -79,12 +79,13 @@ class Server(Node):
         self.reply_to: dict[str, str] = {}  # connection -> where the answers to its requests go
         self.routes: dict[int, str] = {}  # worker -> the connection it reads answers from
         self.rounds = Rounds(env.num_workers, config.timeout(), self._storage if self.shm else None)
+        self.nonfinite, self.skipped = config.nonfinite(), 0  # what a NaN/Inf push meets; how many were skipped
         self._outbox: dict[_Request, tuple[list[tuple[int, int, int, int]], list[Any]]] = {}
 
     # -- loop -------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        endpoint = self.van.listen(self.env.listen_endpoint())
+        endpoint = self.van.listen(self.env.listen_endpoint(), config.max_frame_bytes())
         try:
             backlog = self.join(endpoint)
         except PSKVError as exc:
@@ -225,8 +226,10 @@ class Server(Node):
             raise ProtocolError(f"a server does not handle {msg.type.name}")
 
     def _hello(self, peer: str, req: _Request) -> None:
-        meta = req.msg.meta or {}
-        rank = meta.get("rank")
+        meta, proven = req.msg.meta or {}, self.van.who(peer)
+        if proven is not None and proven[0] != "worker":
+            raise ProtocolError(f"HELLO from a {proven[0]}; only workers talk to servers")
+        rank = meta.get("rank") if proven is None else proven[1]  # with a job secret: the rank its connection proved
         if not isinstance(rank, int) or not 0 <= rank < len(self.workers):
             raise ProtocolError(f"HELLO from a worker of rank {rank!r}; the job has {len(self.workers)} workers")
         if meta.get("answers"):
@@ -253,7 +256,7 @@ class Server(Node):
         with _Frames(msg) as frames:
             for row in PUSH.unpack(frames.take()):
                 p = self.rounds.part(row.key, row.part)
-                grad = self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg)
+                grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank)
                 entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply)))
                 req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         return entries
@@ -279,6 +282,22 @@ class Server(Node):
                 total.add_(codec.decode(frame_tensor(frame, codec.wire_dtype, codec.wire_numel(p.numel)), p.numel, p.dtype))
             return total.view(p.rows, p.row_numel)
         raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
+
+    def _finite(self, grad: Tensor, p: Part, rank: int) -> Tensor:
+        """``grad``, unless it holds NaN or Inf: then an error, or zeros (``PSKV_NONFINITE``)."""
+        values = grad._values() if grad.is_sparse else grad
+        if self.nonfinite == "allow" or not (values.is_floating_point() or values.is_complex()):
+            return grad
+        if bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all()):  # a sum can overflow alone
+            return grad
+        if self.nonfinite == "error":
+            raise NonFiniteError(f"worker {rank} pushed NaN or Inf to {p} ({self.name}); PSKV_NONFINITE=skip pushes such gradients as zeros")
+        self.skipped += 1
+        if self.skipped & (self.skipped - 1) == 0:  # the 1st, 2nd, 4th, ...
+            print(f"pskv {self.name}: worker {rank} pushed NaN or Inf to {p}; pushed as zeros ({self.skipped} so far)", file=sys.stderr, flush=True)
+        if grad.is_sparse:
+            return torch.sparse_coo_tensor(grad._indices(), torch.zeros_like(values), grad.shape, check_invariants=False)
+        return torch.zeros(p.rows, p.row_numel, dtype=p.dtype)
 
     def _pull_entries(self, msg: Message, req: _Request) -> list[PullEntry]:
         entries = []

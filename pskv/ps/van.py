@@ -3,21 +3,48 @@
 A node listens on one endpoint (a ROUTER) and connects to its peers (a DEALER each); a peer is
 named by the name given to :meth:`Van.connect`, or ``"client:<hex>"`` for a connection that
 reached us. Payloads are sent without copying; ``inproc://`` endpoints run a job in one process.
+
+With a job secret (``PSKV_SECRET``), the first frame on every connection proves that its sender
+holds it, and says which node it is; a listener acts on nothing else from a connection without
+that proof, and answers nothing (docs/DESIGN.md, "Who may talk to a job").
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import os
+import struct
+import sys
 from collections.abc import Callable
 from typing import Optional, Union
 
 import zmq
 
+from .. import config
 from ..errors import ClusterError, ProtocolError
-from .message import Message, decode, encode
+from .message import Message, _buf, decode, encode
 
 Received = tuple[str, Union[Message, ProtocolError]]
+#: a connection's first frame when the job has a secret: tag, role, rank, nonce, HMAC-SHA256 of the rest
+AUTH = struct.Struct("<8sBq16s32s")
+ROLES = ("scheduler", "server", "worker")
+_LOGGED = 100  # addresses whose dropped messages are logged (once each)
+
+
+def _proof(secret: bytes, role: int, rank: int, nonce: bytes, endpoint: str) -> bytes:
+    """The MAC of a connection's proof, bound to the listener's port (or inproc name)."""
+    bound = f"{role}|{rank}|{endpoint.rsplit(':', 1)[-1]}|".encode()
+    return hmac.new(secret, bound + nonce, hashlib.sha256).digest()
+
+
+def _curve_keys(secret: bytes, name: bytes) -> tuple[bytes, bytes]:
+    """A CURVE key pair (public, secret; Z85) derived from the job's secret (``PSKV_ENCRYPT``)."""
+    from zmq.utils import z85
+
+    private = z85.encode(hmac.new(secret, b"pskv-curve-" + name, hashlib.sha256).digest())
+    return zmq.curve_public(private), private
 
 
 class PeerUnreachable(ClusterError):
@@ -29,7 +56,7 @@ class Van:
 
     MAX_BATCH = 256  # messages taken from one socket per recv, so no peer starves the others
 
-    def __init__(self) -> None:
+    def __init__(self, role: str) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: Optional[zmq.Socket[bytes]] = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
@@ -40,6 +67,18 @@ class Van:
         os.set_blocking(self._wake_w, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.closed = False
+        try:
+            self.secret, self.encrypt = config.secret(), config.getenv("PSKV_ENCRYPT", False)
+        except ValueError as exc:
+            raise ClusterError(str(exc)) from None
+        if self.encrypt and self.secret is None:
+            raise ClusterError("PSKV_ENCRYPT=1 needs the job's secret: PSKV_SECRET or PSKV_SECRET_FILE")
+        self.identity = (role, -1)  # (role, rank) this node proves on the connections it opens
+        self.max_frame = 0  # frames over this many bytes are refused (0: any size)
+        self._endpoint = ""
+        self._peers: dict[bytes, tuple[str, int]] = {}  # proven connections -> (role, rank)
+        self._nonces: set[bytes] = set()
+        self._logged: set[str] = set()
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
@@ -48,11 +87,16 @@ class Van:
         sock.setsockopt(zmq.LINGER, 0)
         return sock
 
-    def listen(self, endpoint: str) -> str:
-        """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint."""
+    def listen(self, endpoint: str, max_frame: int = 0) -> str:
+        """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint.
+        A client that sends a frame over ``max_frame`` bytes (0: no limit) is disconnected."""
         if self._router is not None:
             raise RuntimeError("this van already listens")
         sock = self._socket(zmq.ROUTER)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame or -1)
+        if self.encrypt:
+            assert self.secret is not None
+            sock.curve_server, sock.curve_secretkey = True, _curve_keys(self.secret, b"server")[1]
         if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
             endpoint = endpoint[:-2] + ":*"
         try:
@@ -62,7 +106,10 @@ class Van:
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
         self._router = sock
         self._poller.register(sock, zmq.POLLIN)
-        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.secret is None and not endpoint.startswith(("inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")):
+            self._log(f"listening on {self._endpoint} without a job secret: anyone who reaches it can take part (set PSKV_SECRET, or start with `pskv launch`)")
+        return self._endpoint
 
     def connect(self, peer: str, endpoint: str, receive: bool = True) -> None:
         """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
@@ -70,7 +117,15 @@ class Van:
         if peer in self._dealers:
             raise RuntimeError(f"already connected to {peer}")
         sock = self._socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))  # unguessable: a proof holds for this connection only
+        if self.encrypt:
+            assert self.secret is not None
+            sock.curve_serverkey = _curve_keys(self.secret, b"server")[0]
+            sock.curve_publickey, sock.curve_secretkey = _curve_keys(self.secret, b"client")
         sock.connect(endpoint)
+        if self.secret is not None:
+            role, rank, nonce = ROLES.index(self.identity[0]), self.identity[1], os.urandom(16)
+            sock.send(AUTH.pack(b"PSKVAUTH", role, rank, nonce, _proof(self.secret, role, rank, nonce, endpoint)))
         self._dealers[peer] = sock
         self._names[sock] = peer
         if receive:
@@ -81,6 +136,13 @@ class Van:
         :class:`PeerUnreachable` if it cannot take it. With ``track``, returns ``wait(timeout) ->
         bool``, true once the payload buffers may be reused."""
         frames = encode(msg)
+        if self.max_frame and not peer.startswith("client:"):
+            for f in frames:
+                if _buf(f).nbytes > self.max_frame:
+                    raise ProtocolError(
+                        f"{msg.type.name} to {peer.split('/')[0]} has a frame of {_buf(f).nbytes} bytes; servers take at most "
+                        f"{self.max_frame} (PSKV_MAX_MESSAGE_BYTES; set it the same for every node of the job)"
+                    )
         try:
             if peer.startswith("client:"):
                 if self._router is None:
@@ -118,7 +180,11 @@ class Van:
                 except zmq.Again:
                     break
                 if sock is self._router:
-                    peer = "client:" + bytes(frames[0].buffer).hex()
+                    route = bytes(frames[0].buffer)
+                    if self.secret is not None and route not in self._peers:
+                        self._admit(route, frames[1:])
+                        continue
+                    peer = "client:" + route.hex()
                     frames = frames[1:]
                 else:
                     peer = self._names[sock]
@@ -127,6 +193,32 @@ class Van:
                 except ProtocolError as exc:
                     out.append((peer, exc))
         return out
+
+    def _admit(self, route: bytes, frames: list[zmq.Frame]) -> None:
+        """Take a connection's proof, or drop what it sent: no answer, one log line per address."""
+        if len(frames) == 1 and len(frames[0]) == AUTH.size:
+            tag, role, rank, nonce, mac = AUTH.unpack(frames[0].buffer)
+            good = tag == b"PSKVAUTH" and role < len(ROLES) and nonce not in self._nonces
+            assert self.secret is not None
+            if good and hmac.compare_digest(mac, _proof(self.secret, role, rank, nonce, self._endpoint)):
+                self._nonces.add(nonce)
+                self._peers[route] = (ROLES[role], rank)
+                return
+        try:
+            address = str(frames[0].get("Peer-Address"))
+        except zmq.ZMQError:  # inproc
+            address = "inproc"
+        if address not in self._logged and len(self._logged) < _LOGGED:
+            self._logged.add(address)
+            self._log(f"dropping what {address} sends: its connection did not prove it holds the job's secret")
+
+    def who(self, peer: str) -> Optional[tuple[str, int]]:
+        """The (role, rank) a connection that reached us proved (None without a job secret)."""
+        return self._peers.get(bytes.fromhex(peer[7:])) if peer.startswith("client:") else None
+
+    def _log(self, text: str) -> None:
+        role, rank = self.identity
+        print(f"pskv {role}{f' {rank}' if rank >= 0 else ''}: {text}", file=sys.stderr, flush=True)
 
     def wake(self) -> None:
         """Make a blocked :meth:`recv` return now; safe from any thread."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 from typing import Any
 
@@ -19,8 +18,6 @@ from hypothesis import strategies as st
 from pskv.errors import ProtocolError
 from pskv.ps import server as server_module
 from pskv.ps.message import HEADER, MAGIC, PULL, PUSH, VERSION, Message, Type, decode, encode, tensor_frame
-from pskv.ps.node import JobEnv
-from pskv.ps.server import Server
 
 TYPES = [int(t) for t in Type]
 DTYPE_NAMES = [
@@ -208,38 +205,10 @@ def test_the_decoder_refuses_or_decodes_any_frames(
         )
 
 
-class _Offline:
-    """A 2-worker server whose transport is a recorder; both workers said HELLO."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch):
-        monkeypatch.setenv("PSKV_SHM", "0")  # no arena is mapped: fuzzed fds must never reach one
-        self.server = Server(
-            JobEnv("server", "inproc://pskv-fuzz", 0, num_workers=2, num_servers=1, server_id=0)
-        )
-        self.server.rank, self.server.workers = 0, [{"pid": os.getpid()}, {"pid": os.getpid()}]
-        self.replies: list[tuple[str, Message]] = []
-        self.server.van.send = lambda peer, msg, track=False: self.replies.append((peer, msg))  # type: ignore[method-assign]
-        for rank in (0, 1):
-            self.send(f"w{rank}", Message(Type.HELLO, meta={"rank": rank, "answers": True}))
-        assert [m.type for _, m in self.replies] == [Type.OK, Type.OK]
-
-    def send(self, peer: str, msg: Message) -> list[Message]:
-        self.deliver(peer, encode(msg))
-        return [m for p, m in self.replies if p == peer]
-
-    def deliver(self, peer: str, frames: list[Any]) -> None:
-        try:
-            msg: Message | ProtocolError = decode(frames)
-        except ProtocolError as exc:
-            msg = exc
-        self.server._dispatch(peer, msg)
-        self.server._flush()
-
-
-def test_a_server_takes_100000_generated_and_mutated_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_server_takes_100000_generated_and_mutated_requests(monkeypatch: pytest.MonkeyPatch, offline_server: Any) -> None:
     bugs: list[str] = []
     monkeypatch.setattr(server_module.traceback, "print_exc", lambda *a, **k: bugs.append(repr(a)))
-    off = _Offline(monkeypatch)
+    off = offline_server()
     rng = random.Random(7)
     for i in range(100_000):
         frames = encode(generated(rng))

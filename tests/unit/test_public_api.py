@@ -19,6 +19,7 @@ EXPECTED = [
     "KeyTypeError",
     "LaunchError",
     "NodeFailedError",
+    "NonFiniteError",
     "OptimizerError",
     "OptimizerRequiredError",
     "PSKVError",
