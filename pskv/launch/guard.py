@@ -92,6 +92,17 @@ def child_env(
     return env
 
 
+def read_line(fd: int) -> str:
+    """One line from ``fd``, read byte by byte so that nothing after it is taken."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            raise GuardError("--secret-stdin: standard input ended before the secret's line")
+        line += byte
+    return line.decode().strip()
+
+
 def exit_status(code: int) -> int:
     """A shell's exit status for a ``Popen`` return code: 128 + N for signal N."""
     return 128 - code if code < 0 else code
@@ -229,6 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--rank-offset", type=int, default=0, metavar="K", help="subtract K from that value (1 for SGE_TASK_ID)")
     p.add_argument("--prefix", default="", metavar="TEMPLATE", help="prefix every output line with [TEMPLATE] ({role}, {rank}, {host} are filled in)")
     p.add_argument("--watch-stdin", action="store_true", help="stop the command when standard input reaches EOF")
+    p.add_argument("--secret-stdin", action="store_true", help="the first line of standard input is the job's secret (PSKV_SECRET for the command)")
     p.add_argument("--workers-here", type=int, default=0, metavar="N", help="N workers share this host: OMP_NUM_THREADS = cores / N unless set")
     p.add_argument("--status-dir", metavar="DIR", help="write ROLE.RANK.status with the exit status there")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="SIGKILL this long after SIGTERM (default 5)")
@@ -241,6 +253,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         names = [n.strip() for n in args.rank_from.split(",") if n.strip()]
         env = child_env(os.environ, names, args.rank_offset, args.workers_here)
+        if args.secret_stdin:
+            env["PSKV_SECRET"] = read_line(0)
     except GuardError as exc:
         print(f"pskv guard: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -28,7 +28,7 @@ from .guard import LineBuffer, exit_status, pump, terminate
 from .spec import SERVE, JobSpec
 
 Show = Literal["prefix", "raw", "tail"]
-Stdin = Literal["devnull", "pipe"]
+Stdin = Literal["devnull", "pipe", "secret"]  # secret: a pipe whose first line is the env's PSKV_SECRET
 #: a guard's failure line ("pskv guard: worker 1 failed: ..."), quoted in the report, its status taken
 GUARD_FAILURE = ("pskv guard: ", " failed: ")
 
@@ -109,11 +109,15 @@ class ProcessContext:
         show: Show = "prefix", stdin: Stdin = "devnull", main: bool = False,
     ) -> Proc:  # fmt: skip
         """Start ``argv`` in a new process group. ``show``: output as ``[name] ...`` lines, ``"raw"``,
-        or only its ``"tail"`` kept; ``stdin="pipe"``: a pipe never written, closed when the job stops."""
+        or only its ``"tail"`` kept; ``stdin="pipe"``: a pipe never written, closed when the job stops
+        (``"secret"``: written once, the job's secret)."""
         popen = subprocess.Popen(
-            list(argv), env=dict(env), stdin=subprocess.PIPE if stdin == "pipe" else subprocess.DEVNULL,
+            list(argv), env=dict(env), stdin=subprocess.DEVNULL if stdin == "devnull" else subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
         )  # fmt: skip
+        if stdin == "secret" and popen.stdin is not None:
+            popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
+            popen.stdin.flush()
         proc = Proc(name, popen)
         for pipe, sink in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
             emit = functools.partial(self._emit, proc, sink, show)
@@ -261,7 +265,8 @@ class Backend:
         """Start the servers and workers, or what stands for them."""
         for p in self.processes(port):
             time.sleep(p.delay)
-            ctx.start(p.name, p.argv, {**self.spec.environ, **p.env}, show=p.show, stdin=p.stdin, main=p.main)
+            env = {**self.spec.environ, **p.env, **self.spec.secret_env()}
+            ctx.start(p.name, p.argv, env, show=p.show, stdin=p.stdin, main=p.main)
 
     def cancel(self, ctx: ProcessContext) -> None:
         """Stop what runs elsewhere (``scancel``, ``qdel``); called once, when the job stops early."""
@@ -315,7 +320,7 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int
     (``PSKV_PORT_FD``). :class:`LaunchError` if it exits first or takes over ``PSKV_START_TIMEOUT``."""
     assert backend.address is not None
     read_fd, write_fd = os.pipe()
-    env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env}
+    env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env, **spec.secret_env()}
     env["PSKV_PORT_FD"] = str(write_fd)
     guard = [sys.executable, "-m", "pskv.launch.guard", "--watch-stdin", "--"] if backend.guarded else []
     try:
@@ -335,6 +340,18 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int
             proc.popen.wait(timeout=5)
         raise LaunchError(f"the scheduler exited with status {proc.returncode} before reporting its port")
     return int(data)
+
+
+def redact(text: str, spec: JobSpec) -> str:
+    """``text`` (a plan to print) without the job's secret."""
+    return text.replace(spec.secret, "<the job's secret, made anew at launch>") if spec.secret else text
+
+
+def write_private(path: str, text: str) -> None:
+    """Write a file only its owner may read (it holds the job's secret)."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
 
 
 def require_tool(name: str, launcher: str, hint: str = "") -> str:

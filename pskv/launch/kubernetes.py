@@ -9,7 +9,7 @@ import shlex
 from typing import Any, Optional
 
 from ..errors import LaunchError
-from .job import Backend, ProcessContext, require_tool, run_quiet, submitted
+from .job import Backend, ProcessContext, redact, require_tool, run_quiet, submitted, write_private
 from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"
@@ -17,9 +17,11 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 ONE_PER_POD = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
-def _env_list(env: dict[str, str], pod_ip: str) -> list[dict[str, Any]]:
-    """A container's ``env``, with variable ``pod_ip`` set to the pod's IP (downward API)."""
+def _env_list(env: dict[str, str], pod_ip: str, secret: str) -> list[dict[str, Any]]:
+    """A container's ``env``, with variable ``pod_ip`` set to the pod's IP (downward API) and
+    ``PSKV_SECRET`` from the Kubernetes Secret ``secret``."""
     out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k != pod_ip]
+    out.append({"name": "PSKV_SECRET", "valueFrom": {"secretKeyRef": {"name": secret, "key": "PSKV_SECRET"}}})
     return [*out, {"name": pod_ip, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
 
 
@@ -51,16 +53,17 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
         body["template"] = {"metadata": {"labels": meta(role)["labels"]}, "spec": pod}
         return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta(role), "spec": body}
 
-    items: list[dict[str, Any]] = []
+    secret = {"PSKV_SECRET": spec.secret or ""}
+    items: list[dict[str, Any]] = [{"apiVersion": "v1", "kind": "Secret", "metadata": meta("secret"), "type": "Opaque", "stringData": secret}]
     if spec.num_servers:
         ports = [{"name": "scheduler", "port": spec.port, "targetPort": spec.port}]
         service = {"selector": {"pskv/job": name, "pskv/role": "scheduler"}, "ports": ports}
         items.append({"apiVersion": "v1", "kind": "Service", "metadata": meta("scheduler"), "spec": service})
-        env = _env_list(spec.process_env("scheduler", scheduler, spec.port), "DMLC_PS_ROOT_URI")
+        env = _env_list(spec.process_env("scheduler", scheduler, spec.port), "DMLC_PS_ROOT_URI", f"{name}-secret")
         port = [{"containerPort": spec.port, "name": "scheduler"}]
         items.append(job("scheduler", 1, {"command": spec.argv("server"), "env": env, "ports": port}))
     for role in spec.roles():
-        env = _env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), "DMLC_NODE_HOST")
+        env = _env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), "DMLC_NODE_HOST", f"{name}-secret")
         command = spec.guarded(role, "--rank-from", RANK_VAR)
         items.append(job(role, spec.count(role), {"command": command, "env": env, **resources}))
     return items
@@ -76,7 +79,7 @@ class Kubernetes(Backend):
         self.kubectl = "kubectl"
 
     def plan(self, port: Optional[int]) -> str:
-        return self.text
+        return redact(self.text, self.spec)
 
     def prepare(self) -> None:
         if not self.spec.output:
@@ -85,14 +88,13 @@ class Kubernetes(Backend):
     def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         spec = self.spec
         if spec.output:
-            with open(spec.output, "w") as f:
-                f.write(self.text)
+            write_private(spec.output, self.text)
             ctx.report(f"wrote {self.objects} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
             return
         apply = ["apply", "-f", "-", *spec.launcher_args]
         res = run_quiet([self.kubectl, *apply], timeout=300, input=self.text)
         logs = f"kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
-        success = f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service -l pskv/job={spec.name}`"
+        success = f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service,secret -l pskv/job={spec.name}`"
         submitted(ctx, shlex.join(["kubectl", *apply]), res, success)
 
 

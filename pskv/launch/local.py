@@ -49,12 +49,13 @@ backend = Local
 def launch_local(
     num_workers: int, num_servers: int, command: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
     role_extra: Optional[Mapping[str, Mapping[str, str]]] = None, timeout: Optional[float] = None,
-    quiet: bool = False, peak_rss_mb: Optional[dict[str, float]] = None,
+    quiet: bool = False, peak_rss_mb: Optional[dict[str, float]] = None, secret: bool = True,
 ) -> int:  # fmt: skip
     """Run a job on this machine until it ends; the exit status. ``role_extra``: env by role; ``quiet``:
-    only worker 0's output, as it is; ``peak_rss_mb`` receives each process's peak memory by name."""
+    only worker 0's output, as it is; ``peak_rss_mb`` receives each process's peak memory by name;
+    ``secret=False``: a job without a secret (to measure what authentication costs)."""
     role_env = {r: dict((role_extra or {}).get(r, {})) for r in ROLES}
-    spec = JobSpec(num_workers, num_servers, list(command), dict(extra_env or {}), role_env, timeout=timeout)
+    spec = JobSpec(num_workers, num_servers, list(command), dict(extra_env or {}), role_env, timeout=timeout, secret=None if secret else "")
     local = Local(spec, quiet)
     status = run_job(spec, local)
     if peak_rss_mb is not None and local.ctx is not None:

@@ -67,6 +67,8 @@ class Mpi(Backend):
         for role in spec.roles():
             env = spec.process_env(role, self.address, port).items()
             env_args = [a for k, v in env for a in (["-env", k, v] if mpich else ["-x", f"{k}={v}"])]
+            if spec.secret:  # its value comes from mpirun's environment, never from this command line
+                env_args += ["-envlist", "PSKV_SECRET"] if mpich else ["-x", "PSKV_SECRET"]
             rank = ["--rank-from", RANK_VARS, *(["--rank-offset", str(offset)] if offset else [])]
             guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}")
             for host, n in [(None, spec.count(role))] if mpich else self.runs(role):

@@ -21,8 +21,8 @@ ROLES = ("server", "worker")
 DEFAULT_PORT = 9091
 #: variables of the launcher's own environment that every remote process gets as well ...
 FORWARDED = ("PSKV_", "DMLC_INTERFACE")
-#: ... except these, which mean something only here
-NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH")
+#: ... except these, which mean something only here (the secret travels its own way: :attr:`JobSpec.secret`)
+NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH", "PSKV_SECRET")
 SERVE = [sys.executable, "-m", "pskv", "serve"]
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -155,6 +155,9 @@ class JobSpec:
     output: Optional[str] = None
     dry_run: bool = False
     environ: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    #: the job's secret (``PSKV_SECRET`` if set, else a new one); None when ``PSKV_SECRET_FILE`` names it,
+    #: "" for none. Never on a command line: each launcher hands it over in an environment, a pipe or a private file
+    secret: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.num_servers < 0:
@@ -164,6 +167,12 @@ class JobSpec:
             raise LaunchError("no command to run: pskv launch -n 2 -s 2 -- python train.py")
         if not self.name:
             self.name = f"pskv-{secrets.token_hex(3)}"
+        if self.secret is None and not self.environ.get("PSKV_SECRET_FILE", "").strip():
+            self.secret = self.environ.get("PSKV_SECRET", "").strip() or secrets.token_hex(32)
+
+    def secret_env(self) -> dict[str, str]:
+        """``PSKV_SECRET``, for the environment of a process started here."""
+        return {"PSKV_SECRET": self.secret} if self.secret else {}
 
     def roles(self) -> list[str]:
         """The roles that have processes: servers (unless ``-s 0``) and workers."""
@@ -205,6 +214,7 @@ class JobSpec:
                 env.update(RANK=str(rank), WORLD_SIZE=str(self.num_workers))
             env.update(torch or {})
         env.update(self.role_env.get(role, {}))
+        env.pop("PSKV_SECRET", None)  # never in a plan, a script or on a command line
         return env
 
 

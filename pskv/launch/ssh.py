@@ -135,12 +135,13 @@ class Ssh(Backend):
                 local_rank = sum(self.dests[w] == dest for w in workers[:rank])
                 torch = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
                 env = spec.process_env(role, self.address, port, rank, torch=torch)
-                guard = spec.guarded(role, "--watch-stdin", "--workers-here", str(n), "--grace", REMOTE_GRACE)
+                secret = ["--secret-stdin"] if spec.secret else []  # not on the remote command line
+                guard = spec.guarded(role, "--watch-stdin", *secret, "--workers-here", str(n), "--grace", REMOTE_GRACE)
                 wave = started.get(dest, 0)
                 started[dest] = wave + 1
                 delay = STARTUP_PAUSE if wave and wave % STARTUP_WAVE == 0 else 0.0
                 remote = shell_command(guard, env, self.cwd)
-                out.append(Planned(f"{role} {rank}@{h}", ssh_argv(spec, h, remote), main=role == "worker", stdin="pipe", delay=delay))
+                out.append(Planned(f"{role} {rank}@{h}", ssh_argv(spec, h, remote), main=role == "worker", stdin="secret" if secret else "pipe", delay=delay))
         return out
 
 

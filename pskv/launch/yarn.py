@@ -8,7 +8,7 @@ import shlex
 import tempfile
 from typing import Any, Optional
 
-from .job import Backend, ProcessContext, require_tool, run_quiet, submitted
+from .job import Backend, ProcessContext, redact, require_tool, run_quiet, submitted, write_private
 from .spec import JobSpec
 
 SCHEDULER_DNS = "scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}"
@@ -21,6 +21,7 @@ def yarn_service(spec: JobSpec) -> dict[str, Any]:
     sized = {"cpus": spec.cpus if spec.cpus is not None else 1, "memory": str(spec.memory_mb if spec.memory_mb is not None else 2048)}
 
     def component(name: str, count: int, argv: list[str], env: dict[str, str], resource: dict[str, Any]) -> dict[str, Any]:
+        env.update(spec.secret_env())  # the spec is a private file; YARN shows it to the service's owner and admins
         comp = {"name": name, "number_of_containers": count, "restart_policy": "NEVER", **artifact}
         comp.update(launch_command=shlex.join(argv), resource=resource, configuration={"env": env})
         return comp if name == "scheduler" else {**comp, "dependencies": ["scheduler"]}
@@ -46,7 +47,7 @@ class Yarn(Backend):
         self.title = f"YARN service spec ({spec.name})"
 
     def plan(self, port: Optional[int]) -> str:
-        return f"{self.text}# submit\n{shlex.join(self.submit)}"
+        return f"{redact(self.text, self.spec)}# submit\n{shlex.join(self.submit)}"
 
     def prepare(self) -> None:
         if not self.spec.output:
@@ -55,8 +56,7 @@ class Yarn(Backend):
     def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
         name = self.spec.name
         if self.spec.output:
-            with open(self.spec.output, "w") as f:
-                f.write(self.text)
+            write_private(self.spec.output, self.text)
             ctx.report(f"wrote the YARN service spec to {self.spec.output}; submit it with: {shlex.join(self.submit)}")
             return
         with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".json") as f:

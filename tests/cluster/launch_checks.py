@@ -6,7 +6,9 @@ script of ``jobs.formulas_script``, plus its own environment) and exits non-zero
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -26,6 +28,22 @@ import os
 assert os.environ["DMLC_WORKER_ID"] == str(r), (os.environ["DMLC_WORKER_ID"], r)
 env = [os.environ.get(k, "-") for k in ("ALL", "ONLY_W", "ONLY_S", "DMLC_ROLE", "RANK", "WORLD_SIZE")]
 print("env", r, os.getcwd(), *env, flush=True)
+import hashlib, subprocess
+def secret_of(env):
+    path = env.get("PSKV_SECRET_FILE")
+    return env.get("PSKV_SECRET") or (open(path).read().strip() if path else "")
+mine, holds = secret_of(os.environ), {}
+for pid in filter(str.isdigit, os.listdir("/proc")):  # this job's roles (the marker), guards aside
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f, open(f"/proc/{pid}/cmdline", "rb") as g:
+            penv, cmd = dict(v.split("=", 1) for v in f.read().decode(errors="replace").split(chr(0)) if "=" in v), g.read()
+    except OSError:
+        continue
+    if penv.get("PSKV_TEST_MARKER") == os.environ.get("PSKV_TEST_MARKER") and penv.get("DMLC_ROLE") and b"pskv.launch.guard" not in cmd:
+        holds.setdefault(penv["DMLC_ROLE"], set()).add(secret_of(penv) == mine)
+listed = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+secret_line = [hashlib.sha256(mine.encode()).hexdigest()[:16], len(mine) >= 16, mine not in listed]
+print("secret", r, *secret_line, *sorted(f"{k}={all(v)}" for k, v in holds.items()), flush=True)
 """
 )
 
@@ -74,8 +92,11 @@ def env_args() -> list[str]:
     return ["--env", "ALL:a", "--env-worker", "ONLY_W:w", "--env-server", "ONLY_S:s", "--env-server", "PSKV_VERBOSE:1"]
 
 
-def check_formulas(res: JobResult, host: Optional[Sequence[str]] = None, server_host: Optional[Sequence[str]] = None) -> None:
-    """Every worker passed, saw its environment, and only the servers got --env-server.
+def check_formulas(
+    res: JobResult, host: Optional[Sequence[str]] = None, server_host: Optional[Sequence[str]] = None, scheduler_here: bool = True
+) -> None:
+    """Every worker passed, saw its environment, and only the servers got --env-server; every role
+    of the job (with the marker) holds the worker's secret, which is in no ``ps`` line and no output.
 
     Output lines are tagged ``[worker 1]``, or ``[worker 1@HOST]`` with ``host[1]`` (ssh)."""
     assert res.code == 0, res
@@ -85,6 +106,13 @@ def check_formulas(res: JobResult, host: Optional[Sequence[str]] = None, server_
         env_line = next((line for line in res.stdout.splitlines() if line.startswith(f"{tag} env {w} ")), "")
         assert env_line.split()[-6:] == ["a", "w", "-", "worker", str(w), str(WORKERS)], res
     out = res.stdout + res.stderr
+    seen = {tuple(line.split(" secret ", 1)[1].split()[1:]) for line in res.stdout.splitlines() if " secret " in line}
+    roles = ("scheduler=True", "server=True", "worker=True") if scheduler_here else ("server=True", "worker=True")
+    assert len(seen) == 1, res  # every worker holds the same secret ...
+    digest, *checks = seen.pop()
+    assert tuple(checks) == ("True", "True", *roles), res  # ... long enough, in no ps line, held by every role
+    for token in re.findall(r"[0-9a-f]{64}", out):  # the secret pskv launch makes is 64 hex digits
+        assert hashlib.sha256(token.encode()).hexdigest()[:16] != digest, "the job's secret is in the output"
     for s in range(SERVERS):
         tag = f"[server {s}@{server_host[s]}]" if server_host else f"[server {s}]"
         assert f"{tag} pskv server {s}: serving on tcp://" in out, res

@@ -13,6 +13,15 @@ from pathlib import Path
 import pytest
 
 from .jobs import REPO, launch, run
+from .launch_checks import (
+    check_formulas,
+    env_args,
+    formulas_args,
+    marker,
+    marker_args,
+    wait_gone,
+    write_project,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -183,6 +192,7 @@ def test_ctrl_c_stops_the_whole_job(tmp_path: Path) -> None:
 
 
 def test_random_bytes_and_truncated_messages_on_a_servers_tcp_port(tmp_path: Path) -> None:
+    """Garbage on a server's port: a proven connection gets an ERROR per message, an unproven one nothing."""
     script = """
     import os, socket, torch, zmq, pskv
     from pskv.ps.message import HEADER, Message, Type, decode, encode
@@ -193,15 +203,22 @@ def test_random_bytes_and_truncated_messages_on_a_servers_tcp_port(tmp_path: Pat
     for blob in [os.urandom(4096), b"\\xff" * 10, b"GET / HTTP/1.0\\r\\n\\r\\n"]:   # not even zmq
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(blob)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    from pskv.ps.van import AUTH, _proof
+    secret, nonce = os.environ["PSKV_SECRET"].encode(), os.urandom(16)  # pskv launch made the job's secret
+    sock, stranger = zmq.Context.instance().socket(zmq.DEALER), zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.RCVTIMEO, 5000)
     sock.connect(endpoint)
+    stranger.connect(endpoint)
+    sock.send(AUTH.pack(b"PSKVAUTH", 2, 0, nonce, _proof(secret, 2, 0, nonce, endpoint)))  # as worker 0
     frames = encode(Message(Type.PUSH, frames=[b"\\x00" * 32]))
     for cut in [frames[0][:10], frames[0][: HEADER.size - 1], os.urandom(HEADER.size)]:
         sock.send_multipart([cut])
+        stranger.send_multipart([cut])
         reply = decode(sock.recv_multipart())
         assert reply.type == Type.ERROR and reply.meta["kind"] == "ProtocolError", reply
+    assert stranger.poll(1000) == 0, "a connection without the secret's proof is answered"
     sock.close(linger=0)
+    stranger.close(linger=0)
     kv.push("w", torch.full((8,), 2.0))
     out = torch.empty(8)
     kv.pull("w", out)
@@ -223,3 +240,13 @@ def test_scheduler_runs_without_torch() -> None:
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert out.stdout.strip() == "False", out
+
+
+@pytest.mark.timeout(240)
+def test_three_workers_two_servers_with_the_jobs_secret(tmp_path: Path) -> None:
+    """The formulas job of every launcher, here: pskv launch makes a secret and every role holds it."""
+    project = write_project(tmp_path / "project")
+    mark = marker()
+    res = run([sys.executable, "-m", "pskv", "launch", "-n", "3", "-s", "2", *env_args(), *marker_args(mark), *formulas_args()], timeout=200, cwd=project)
+    check_formulas(res)
+    assert wait_gone(mark) == []

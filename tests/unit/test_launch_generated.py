@@ -260,7 +260,8 @@ def test_ssh_dry_run_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
         env = _env_tokens(remote[5:])
         envs[name.split("@")[0]] = env
         rest = remote[5 + len(env) :]
-        assert rest[:4] == ["python3", "-m", "pskv.launch.guard", "--watch-stdin"]
+        assert rest[:5] == ["python3", "-m", "pskv.launch.guard", "--watch-stdin", "--secret-stdin"]  # the secret: on stdin
+        assert not any("PSKV_SECRET" in a for a in argv)
         tail = rest[rest.index("--") + 1 :]
         assert tail == (["python3", "-m", "pskv", "serve"] if name.startswith("server") else ["python3", "train.py"])
     _check_roles(envs)
@@ -315,14 +316,16 @@ def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pyte
         assert ctx[: len(head)] == head
         env = {}
         i = len(head)
-        while ctx[i] in ("-x", "-env"):
-            if ctx[i] == "-x":
-                k, _, v = ctx[i + 1].partition("=")
+        while ctx[i] in ("-x", "-env", "-envlist"):
+            if ctx[i] in ("-x", "-envlist"):  # -x NAME / -envlist NAME: the value from mpirun's environment
+                k, eq, v = ctx[i + 1].partition("=")
+                v = v if eq else "(mpirun's)"
                 i += 2
             else:
                 k, v = ctx[i + 1], ctx[i + 2]
                 i += 3
             env[k] = v
+        assert env.pop("PSKV_SECRET") == "(mpirun's)"  # the job's secret is not on the command line
         assert envs.setdefault(f"{role} 0", env) == env  # every context of a role has the same variables
         guard = ctx[i : ctx.index("--")]
         assert guard[:3] == ["python3", "-m", "pskv.launch.guard"]
@@ -415,7 +418,8 @@ def test_sge_dry_run_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
                 k, _, v = line[7:].partition("=")
                 env[k] = shlex.split(v)[0]
         envs[f"{role} 0"] = env
-        assert env["DMLC_PS_ROOT_URI"] == "10.3.3.3"
+        assert env["DMLC_PS_ROOT_URI"] == "10.3.3.3" and "PSKV_SECRET" not in env
+        assert env.pop("PSKV_SECRET_FILE").endswith("/secret")  # a 0600 file in the job's private directory
         exec_line = shlex.split(next(line for line in script.splitlines() if line.startswith("exec ")))
         guard = exec_line[1 : exec_line.index("--")]
         assert guard[guard.index("--rank-from") + 1] == "SGE_TASK_ID" and guard[guard.index("--rank-offset") + 1] == "1"
@@ -472,6 +476,8 @@ def test_yarn_service_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps
         assert argv[argv.index("--") + 1 :] == cmd
         assert comp["resource"] == {"cpus": 2, "memory": "4096"}
     _check_roles(envs)
+    secrets = {c["configuration"]["env"]["PSKV_SECRET"] for c in comps.values()}
+    assert len(secrets) == 1 and len(secrets.pop()) == 64 and out_file.stat().st_mode & 0o777 == 0o600
     assert "artifact" not in comps["worker"]
     docker = yarn_service(_spec(image="reg/img:1", command=["python3", "x.py"]))
     assert all(c["artifact"] == {"id": "reg/img:1", "type": "DOCKER"} for c in docker["components"])
@@ -517,7 +523,11 @@ def test_kubernetes_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     doc = json.loads(out_file.read_text())
     assert doc["apiVersion"] == "v1" and doc["kind"] == "List"
     items = _by_kind(doc["items"])
-    assert list(items) == ["Service/jb-scheduler", "Job/jb-scheduler", "Job/jb-server", "Job/jb-worker"]
+    assert list(items) == ["Secret/jb-secret", "Service/jb-scheduler", "Job/jb-scheduler", "Job/jb-server", "Job/jb-worker"]
+    assert out_file.stat().st_mode & 0o777 == 0o600  # it holds the job's secret
+    secret = items["Secret/jb-secret"]["stringData"]["PSKV_SECRET"]
+    assert len(secret) == 64 and secret not in err
+    from_secret = {"secretKeyRef": {"name": "jb-secret", "key": "PSKV_SECRET"}}
     svc = items["Service/jb-scheduler"]
     assert svc["spec"]["selector"] == {"pskv/job": "jb", "pskv/role": "scheduler"}
     assert svc["spec"]["ports"] == [{"name": "scheduler", "port": 9500, "targetPort": 9500}]
@@ -528,6 +538,7 @@ def test_kubernetes_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert sched["command"] == ["python3", "-m", "pskv", "serve"] and sched["image"] == "reg/pskv:1"
     sched_env = _env_of(sched)
     assert sched_env["DMLC_ROLE"] == "scheduler" and sched_env["DMLC_PS_ROOT_URI"] == pod_ip
+    assert sched_env["PSKV_SECRET"] == from_secret
     envs = {}
     for role, n, cmd in (("server", 2, ["python3", "-m", "pskv", "serve"]), ("worker", 3, ["python3", "train.py"])):
         job = items[f"Job/jb-{role}"]
@@ -541,7 +552,7 @@ def test_kubernetes_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         assert c["resources"] == {"requests": {"cpu": "1.5", "memory": "2048Mi"}, "limits": {"memory": "2048Mi"}}
         env = _env_of(c)
         assert env["DMLC_PS_ROOT_URI"] == "jb-scheduler" and env["DMLC_PS_ROOT_PORT"] == "9500"
-        assert env["DMLC_NODE_HOST"] == pod_ip
+        assert env["DMLC_NODE_HOST"] == pod_ip and env["PSKV_SECRET"] == from_secret
         envs[f"{role} 0"] = env
     _check_roles(envs)
 
@@ -550,6 +561,7 @@ def test_kubernetes_yaml_file_and_dry_run_are_the_json_document(tmp_path: Path, 
     """A .yaml file holds the same JSON List (JSON is YAML 1.2: kubectl apply -f job.yaml reads it)."""
     tricky = 'a "quoted": value\nnext line # not a comment'
     monkeypatch.setenv("PSKV_TRICKY", tricky)
+    monkeypatch.setenv("PSKV_SECRET", "given-secret-0123456789")  # every spec below uses it
     items = manifests(_spec(image="img", name="jb", env={"PSKV_TRICKY": tricky, "EMPTY": ""}, environ=dict(os.environ), role_env={"server": {}, "worker": {}}))
     argv = ["launch", "--launcher", "kubernetes", "-n", "3", "-s", "2", "--image", "img", "--job-name", "jb",
             "--env", "PSKV_TRICKY", "--env", "EMPTY:", "--", "python3", "train.py"]  # fmt: skip
@@ -558,7 +570,9 @@ def test_kubernetes_yaml_file_and_dry_run_are_the_json_document(tmp_path: Path, 
     text = (tmp_path / "job.yaml").read_text()
     assert json.loads(text) == {"apiVersion": "v1", "kind": "List", "items": items}
     code, out, _ = _cli([*argv[:-3], "--dry-run", *argv[-3:]], capsys)
-    assert code == 0 and json.loads(out.split("\n", 1)[1]) == json.loads(text)
+    assert code == 0 and "given-secret-0123456789" not in out  # a dry run prints no secret
+    shown = out.split("\n", 1)[1].replace("<the job's secret, made anew at launch>", "given-secret-0123456789")
+    assert json.loads(shown) == json.loads(text)
     system_python = shutil.which("python3", path="/usr/bin:/bin")
     if system_python is None or subprocess.run([system_python, "-c", "import yaml"], capture_output=True).returncode != 0:
         pytest.skip("no YAML parser here (the system python3 has no PyYAML) to read the YAML back")
@@ -585,13 +599,13 @@ def test_kubernetes_errors_and_kubectl_apply(tmp_path: Path, monkeypatch: pytest
     assert code == 0, err
     assert log.read_text().split() == ["apply", "-f", "-", "--namespace", "team"]
     sent = json.loads(Path(f"{log}.json").read_text())
-    assert sent["kind"] == "List" and len(sent["items"]) == 4
-    assert "created" in out and "kubectl delete job,service -l pskv/job=jb" in err
+    assert sent["kind"] == "List" and len(sent["items"]) == 5
+    assert "created" in out and "kubectl delete job,service,secret -l pskv/job=jb" in err
 
 
 def test_kubernetes_without_servers_has_no_scheduler() -> None:
     items = manifests(_spec(image="i", num_servers=0, num_workers=2))
-    assert [f"{i['kind']}/{i['metadata']['name']}" for i in items] == ["Job/job1-worker"]
+    assert [f"{i['kind']}/{i['metadata']['name']}" for i in items] == ["Secret/job1-secret", "Job/job1-worker"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -819,5 +833,5 @@ def test_launch_local_signature_is_unchanged() -> None:
     from pskv.launch.local import launch_local
 
     assert list(inspect.signature(launch_local).parameters) == [
-        "num_workers", "num_servers", "command", "extra_env", "role_extra", "timeout", "quiet", "peak_rss_mb",
+        "num_workers", "num_servers", "command", "extra_env", "role_extra", "timeout", "quiet", "peak_rss_mb", "secret",
     ]  # fmt: skip
