@@ -116,8 +116,9 @@ class ProcessContext:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
         )  # fmt: skip
         if stdin == "secret" and popen.stdin is not None:
-            popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
-            popen.stdin.flush()
+            with contextlib.suppress(BrokenPipeError):  # it exited at once: its status tells why
+                popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
+                popen.stdin.flush()
         proc = Proc(name, popen)
         for pipe, sink in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
             emit = functools.partial(self._emit, proc, sink, show)

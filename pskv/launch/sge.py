@@ -67,18 +67,17 @@ class Sge(Backend):
         """Write each role's job script; the ``qsub`` command of each."""
         spec = self.spec
         assert self.address is not None
-        out = {}
+        out, secret_file = {}, {}
+        if spec.secret:  # a file only this user reads, in the job's private directory
+            secret_file["PSKV_SECRET_FILE"] = self.spool.path("secret")
+            write_private(secret_file["PSKV_SECRET_FILE"], spec.secret + "\n")
         for role in spec.roles():
             path = self.spool.path(f"{role}.sh")
             rank = ["--rank-from", "SGE_TASK_ID", "--rank-offset", "1"]
             guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}", "--status-dir", self.spool.dir)
-            env = spec.process_env(role, self.address, port)
-            if spec.secret:  # a file only this user reads, in the job's private directory
-                env["PSKV_SECRET_FILE"] = self.spool.path("secret")
-                write_private(env["PSKV_SECRET_FILE"], spec.secret + "\n")
             with open(path, "w") as f:
                 f.write(f"#!/bin/sh\n# pskv launch --launcher sge: the {role}s of job {spec.name} (task i is {role} i-1)\n")
-                f.write(export_lines(env))
+                f.write(export_lines({**spec.process_env(role, self.address, port), **secret_file}))
                 f.write(f"exec {shlex.join(guarded)}\n")
             os.chmod(path, 0o755)
             qsub = [self.qsub, "-terse", "-cwd", "-V", "-S", "/bin/sh", "-N", f"{spec.name}-{role}", "-t", f"1-{spec.count(role)}"]

@@ -21,8 +21,8 @@ ROLES = ("server", "worker")
 DEFAULT_PORT = 9091
 #: variables of the launcher's own environment that every remote process gets as well ...
 FORWARDED = ("PSKV_", "DMLC_INTERFACE")
-#: ... except these, which mean something only here (the secret travels its own way: :attr:`JobSpec.secret`)
-NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH", "PSKV_SECRET")
+#: ... except these, which mean something only here (and ``PSKV_SECRET``, which :meth:`JobSpec.process_env` drops)
+NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH")
 SERVE = [sys.executable, "-m", "pskv", "serve"]
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
