@@ -18,6 +18,7 @@ variable                   default  meaning
 ``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
 ``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
+``PSKV_LIFELINE``          (set)    ``fd:inode`` of a pipe from ``pskv launch``: its end stops every process of the job
 ========================== ======== ============================================================
 
 The ``DMLC_*`` variables that say who a process is (role, scheduler address, counts) are read in
@@ -96,6 +97,19 @@ def secret() -> Optional[bytes]:
     if value and len(value) < 16:
         raise ValueError("the job's secret (PSKV_SECRET or PSKV_SECRET_FILE) must have at least 16 characters")
     return value.encode() if value else None
+
+
+def lifeline() -> Optional[int]:
+    """The read end of the launcher's lifeline pipe, if this process holds it (``PSKV_LIFELINE``:
+    ``fd:inode``; a process that only inherited the variable, not the pipe, has none)."""
+    import stat
+
+    fd, _, inode = os.environ.get("PSKV_LIFELINE", "").partition(":")
+    try:
+        st = os.fstat(int(fd))
+        return int(fd) if stat.S_ISFIFO(st.st_mode) and st.st_ino == int(inode) else None
+    except (ValueError, OSError):
+        return None
 
 
 def heartbeat_interval() -> float:

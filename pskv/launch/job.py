@@ -103,6 +103,9 @@ class ProcessContext:
         self.watched: list[tuple[Watched, bool]] = []  # (process, main), in start order: see wait()
         self.on_stop: Optional[Callable[[], None]] = None  # run once when the job stops early: cancel cluster jobs
         self._lock = threading.Lock()
+        # every process gets the read end; when this launcher dies (even by SIGKILL) the pipe ends,
+        # and every pskv process of the job stops with an error (PSKV_LIFELINE, docs/DESIGN.md)
+        self.lifeline, self._lifeline_w = os.pipe()
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -111,9 +114,10 @@ class ProcessContext:
         """Start ``argv`` in a new process group. ``show``: output as ``[name] ...`` lines, ``"raw"``,
         or only its ``"tail"`` kept; ``stdin="pipe"``: a pipe never written, closed when the job stops
         (``"secret"``: written once, the job's secret)."""
+        env = {**env, "PSKV_LIFELINE": f"{self.lifeline}:{os.fstat(self.lifeline).st_ino}"}
         popen = subprocess.Popen(
-            list(argv), env=dict(env), stdin=subprocess.DEVNULL if stdin == "devnull" else subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=tuple(pass_fds),
+            list(argv), env=env, stdin=subprocess.DEVNULL if stdin == "devnull" else subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*pass_fds, self.lifeline),
         )  # fmt: skip
         if stdin == "secret" and popen.stdin is not None:
             with contextlib.suppress(BrokenPipeError):  # it exited at once: its status tells why
@@ -156,14 +160,16 @@ class ProcessContext:
                 for proc in self.procs:
                     proc.sample()
                 next_sample = time.monotonic() + 0.25
-            for p, _ in self.watched:
-                code = p.returncode
-                if code:  # the first process to fail
-                    self.stop_all()
-                    first = getattr(p, "failure", "")
-                    cause = f" ({first})" if first else ""
-                    self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
-                    return failure_status(first) if first else exit_status(code)
+            # the first process to fail; of those found at once, one killed by a signal (the rest may
+            # have noticed its end as fast as we did)
+            failed = sorted((p for p, _ in self.watched if p.returncode), key=lambda p: (p.returncode or 0) > 0)
+            if failed:
+                p, code = failed[0], failed[0].returncode or 0
+                self.stop_all()
+                first = getattr(p, "failure", "")
+                cause = f" ({first})" if first else ""
+                self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
+                return failure_status(first) if first else exit_status(code)
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main):
                 finished_at = time.monotonic()
             alive = [p.name for p, main in self.watched if not main and p.returncode is None]
@@ -313,6 +319,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        for fd in (ctx.lifeline, ctx._lifeline_w):
+            os.close(fd)
         backend.close(status)
 
 

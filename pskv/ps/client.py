@@ -24,7 +24,7 @@ from . import shm, timeline
 from .message import PULL, PUSH, Message, Type
 from .node import JobEnv, Node, failure, host_identity
 from .tracker import BATCHED, Entry, Handle, OnReply, Request, Tracker
-from .van import PeerUnreachable, Van
+from .van import PeerGone, PeerUnreachable, Van
 
 SCHEDULER = -1  # ``send``'s destination for the scheduler; servers are 0 .. S-1
 # rows queued without waiting leave once none was added for FLUSH_IDLE s, and at most FLUSH_DELAY s
@@ -183,7 +183,7 @@ class WorkerClient(Node):
             received = self.data.recv(timeout)
             with torch.no_grad():  # pulled values go into tensors that may require grad
                 for peer, msg in received:
-                    if isinstance(msg, ProtocolError):
+                    if isinstance(msg, Exception):  # (the servers' connections are not watched: no PeerGone)
                         print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
                         continue
                     t0 = timeline.now()
@@ -263,8 +263,10 @@ class WorkerClient(Node):
                 self._dozing = now - self._last_queued > 0.05
                 due = None if first is None else min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE)
                 timeout = (0.25 if self._dozing else FLUSH_DELAY) if due is None else max(0.0, due - now)
-                for _, msg in self.van.recv(timeout):
-                    if not isinstance(msg, ProtocolError):
+                for peer, msg in self.van.recv(timeout):
+                    if isinstance(msg, PeerGone):
+                        self.tracker.fail_all(self.lost(peer))
+                    elif not isinstance(msg, ProtocolError):
                         self.last_heard = time.monotonic()
                         self._control(msg)
                 now = time.monotonic()

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, NodeFailedError, deadline, from_reply, node_failed
 from .message import Message, Type
-from .van import PeerUnreachable, Received, Van
+from .van import PeerGone, PeerUnreachable, Received, Van
 
 ROLES = ("scheduler", "server", "worker")
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -160,6 +160,7 @@ class Node:
         self.env = env
         self.role = env.role
         self.van = Van(env.role)
+        watch_launcher(self.van)
         asked = env.worker_id if env.role == "worker" else env.server_id
         self.van.identity = (env.role, -1 if asked is None else asked)
         self.rank = -1
@@ -179,7 +180,7 @@ class Node:
         """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``); the
         messages from other nodes that arrived meanwhile."""
         env = self.env
-        self.van.connect("scheduler", env.scheduler_endpoint)
+        self.van.connect("scheduler", env.scheduler_endpoint, watch=True)
         meta: dict[str, Any] = {
             "role": self.role,
             "endpoint": endpoint,
@@ -199,6 +200,8 @@ class Node:
                 missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
                 raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
             for peer, msg in self.van.recv(min(left, 0.5)):
+                if isinstance(msg, PeerGone):
+                    raise self.lost(peer)
                 if isinstance(msg, Exception):
                     continue
                 if peer != "scheduler":
@@ -224,12 +227,30 @@ class Node:
             self._next_hb = now + self.hb_interval
             with contextlib.suppress(PeerUnreachable):  # silence is judged below
                 self.van.send("scheduler", Message(Type.HEARTBEAT))
-        silent = now - self.last_heard
+        silent = self.van.polled - self.last_heard  # not ``now``: what waits unread is not silence
         if silent > self.hb_timeout:
             raise NodeFailedError(
                 f"the scheduler at {self.env.scheduler_endpoint} has not answered for {silent:.1f} s "
                 f"(PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}); it is presumed dead"
             )
+
+
+    def lost(self, peer: str) -> NodeFailedError:
+        """The error for the end of a watched connection (the scheduler's) or of the launcher's lifeline."""
+        if peer != "scheduler":
+            return lost_launcher(peer, f"this {self.role}")
+        return NodeFailedError(f"the scheduler at {self.env.scheduler_endpoint} closed its connection: it exited or was killed")
+
+
+def watch_launcher(van: Van) -> None:
+    """Stop when ``pskv launch`` is gone (``PSKV_LIFELINE``), as its processes' parent pipe ends."""
+    fd = config.lifeline()
+    if fd is not None:
+        van.watch_pipe(fd, f"launcher (pid {os.getppid()})")
+
+
+def lost_launcher(peer: str, who: str) -> NodeFailedError:
+    return NodeFailedError(f"the {peer} that started this job is gone (killed?); {who} stops, so the job ends")
 
 
 def say(who: str, text: str) -> None:

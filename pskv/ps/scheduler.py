@@ -12,8 +12,8 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, deadline, describe_node, finished_without, node_failed
 from .message import MAX_META, Message, Type, error_reply
-from .node import JobEnv, say
-from .van import Van
+from .node import JobEnv, lost_launcher, say, watch_launcher
+from .van import PeerGone, Van
 
 
 @dataclass
@@ -24,6 +24,7 @@ class _Node:
     rank: int = -1
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
+    closed: float = 0.0  # when its connection was seen to close (0: not since its last message)
 
     def info(self) -> dict[str, Any]:
         """This node's row of the node table."""
@@ -46,6 +47,7 @@ class Scheduler:
     def __init__(self, env: JobEnv):
         self.env = env
         self.van = Van("scheduler")
+        watch_launcher(self.van)
         self.nodes: dict[str, _Node] = {}
         self.started = False
         self.barriers: dict[str, _Barrier] = {}
@@ -81,6 +83,9 @@ class Scheduler:
         try:
             while self.status is None:
                 for peer, msg in self.van.recv(0.25):
+                    if isinstance(msg, PeerGone):
+                        self._gone(peer)
+                        continue
                     if isinstance(msg, Exception):
                         self.van.send(peer, error_reply(None, msg))
                         continue
@@ -109,7 +114,7 @@ class Scheduler:
     def _handle(self, peer: str, msg: Message) -> None:
         node = self.nodes.get(peer)
         if node is not None:
-            node.last_seen = time.monotonic()
+            node.last_seen, node.closed = time.monotonic(), 0.0
         if msg.type == Type.REGISTER:
             self._register(peer, msg)
             return
@@ -226,13 +231,26 @@ class Scheduler:
 
     def _check_heartbeats(self, now: float) -> None:
         for node in self.nodes.values():
-            if node.finished:
-                continue
-            silent = now - node.last_seen
-            if silent > self.hb_timeout:
-                reason = f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g})"
-                print(f"pskv scheduler: {node_failed(node.info(), reason)}", file=sys.stderr, flush=True)
-                node.finished = True
-                self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}))
-                self.status = 1
-                return
+            silent = self.van.polled - node.last_seen  # not ``now``: what waits unread is not silence
+            if not node.finished and silent > self.hb_timeout:
+                return self._lost(node, f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g})")
+            if not node.finished and node.closed and self.van.polled - node.closed > 3 * config.heartbeat_interval():
+                return self._lost(node, "its connection to the scheduler closed: the process exited or was killed")
+
+    def _gone(self, peer: str) -> None:
+        """The launcher's lifeline ended: stop. A node's connection closed: it is lost unless it still
+        sends (a heartbeat within three intervals: see ``Van._closed``)."""
+        node = self.nodes.get(peer)
+        if peer.startswith("launcher"):
+            print(f"pskv scheduler: {lost_launcher(peer, 'the scheduler')}", file=sys.stderr, flush=True)
+            self.status = 1
+        elif node is not None and self.started:
+            node.closed = time.monotonic()
+
+    def _lost(self, node: _Node, reason: str) -> None:
+        """Tell every node that ``node`` failed, and end the job."""
+        exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
+        print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
+        node.finished = True
+        self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}) if self.started else error_reply(None, exc))
+        self.status = 1

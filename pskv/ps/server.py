@@ -34,6 +34,7 @@ from .message import (
 )
 from .node import JobEnv, Node, failure, say
 from .rounds import Answer, InitEntry, Part, PullEntry, PushEntry, Rounds
+from .van import PeerGone
 
 
 @dataclass(eq=False)
@@ -122,7 +123,11 @@ class Server(Node):
         print(f"pskv {self.name}: {exc}", file=sys.stderr, flush=True)
         self.status = 1
 
-    def _dispatch(self, peer: str, msg: Message | ProtocolError) -> None:
+    def _dispatch(self, peer: str, msg: Message | ProtocolError | PeerGone) -> None:
+        if isinstance(msg, PeerGone):  # a worker's end is the scheduler's to judge
+            if not peer.startswith("client:") and self.status is None:
+                self._stop(self.lost(peer))
+            return
         if isinstance(msg, ProtocolError):
             self._send(peer, error_reply(None, msg))
             return

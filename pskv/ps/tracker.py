@@ -57,9 +57,10 @@ class Handle:
                 tracker.raise_failure()  # it may be why this answer is not coming
                 if time.monotonic() > until:  # the I/O thread is gone; do not hang
                     raise DeadlineExceeded("no answer within PSKV_TIMEOUT plus a margin, and the I/O thread stopped expiring requests")
-            tracker.raise_failure()  # the job's fatal error or a failed push's, if any
-        if self.error is not None:
+        if self.error is not None:  # this call's own failure: it says what the call was
             _raise(self.error)
+        if tracker is not None:
+            tracker.raise_failure()  # the job's fatal error or a failed push's, if any
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
@@ -164,8 +165,8 @@ class Tracker:
         self.fatal = self.fatal or exc
         with self._lock:
             victims = list(self._open.values())
-        for r in victims:
-            self.close(r, exc)
+        for r in victims:  # each says what it was doing
+            self.close(r, type(exc)(f"{r.what}: {exc}") if isinstance(exc, PSKVError) else exc)
 
     def expire(self, now: float) -> None:
         """Fail the requests past their deadline."""

@@ -3,6 +3,8 @@
 A node listens on one endpoint (a ROUTER) and connects to its peers (a DEALER each); a peer is
 named by the name given to :meth:`Van.connect`, or ``"client:<hex>"`` for a connection that
 reached us. Payloads are sent without copying; ``inproc://`` endpoints run a job in one process.
+A TCP connection that closes (its process exited or was killed) comes out of :meth:`Van.recv` as a
+:class:`PeerGone` at once, so nobody waits for a heartbeat deadline to learn it.
 
 With a job secret (``PSKV_SECRET``), the first frame on every connection proves that its sender
 holds it, and says which node it is; a listener acts on nothing else from a connection without
@@ -17,16 +19,27 @@ import hmac
 import os
 import struct
 import sys
+import time
 from collections.abc import Callable
 from typing import Optional, Union
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from .. import config
 from ..errors import ClusterError, ProtocolError
 from .message import Message, _buf, decode, encode
 
-Received = tuple[str, Union[Message, ProtocolError]]
+
+class PeerUnreachable(ClusterError):
+    """A message could not even be queued for a peer (it has no live connection)."""
+
+
+class PeerGone(ClusterError):
+    """A watched connection closed, or a watched pipe (the launcher's lifeline) reached its end."""
+
+
+Received = tuple[str, Union[Message, ProtocolError, PeerGone]]
 #: a connection's first frame when the job has a secret: tag, role, rank, nonce, HMAC-SHA256 of the rest
 AUTH = struct.Struct("<8sBq16s32s")
 ROLES = ("scheduler", "server", "worker")
@@ -47,10 +60,6 @@ def _curve_keys(secret: bytes, name: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(private), private
 
 
-class PeerUnreachable(ClusterError):
-    """A message could not even be queued for a peer (it has no live connection)."""
-
-
 class Van:
     """Moves :class:`~pskv.ps.message.Message`\\s over zmq sockets."""
 
@@ -60,7 +69,11 @@ class Van:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: Optional[zmq.Socket[bytes]] = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        self._names: dict[zmq.Socket[bytes], str] = {}
+        self._names: dict[zmq.Socket[bytes], str] = {}  # dealers and their monitors -> peer names
+        self._monitors: dict[zmq.Socket[bytes], zmq.Socket[bytes]] = {}  # socket -> its monitor (TCP only)
+        self._fds: dict[bytes, int] = {}  # a connection that reached us -> its file descriptor (for its end)
+        self._pipes: dict[int, str] = {}  # watched pipes -> names
+        self.polled = 0.0  # when recv last looked at every connection: silence is judged against it
         self._poller = zmq.Poller()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -106,14 +119,27 @@ class Van:
             raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
         self._router = sock
         self._poller.register(sock, zmq.POLLIN)
+        self._watch(sock, "", endpoint)
         self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         if self.secret is None and not endpoint.startswith(("inproc://", "tcp://127.", "tcp://localhost", "tcp://[::1]")):
             self._log(f"listening on {self._endpoint} without a job secret: anyone who reaches it can take part (set PSKV_SECRET, or start with `pskv launch`)")
         return self._endpoint
 
-    def connect(self, peer: str, endpoint: str, receive: bool = True) -> None:
+    def _watch(self, sock: zmq.Socket[bytes], peer: str, endpoint: str) -> None:
+        """Report ``sock``'s TCP connections that close (inproc ones end only with the process)."""
+        if endpoint.startswith("tcp://"):
+            monitor = self._monitors[sock] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._names[monitor] = peer
+            self._poller.register(monitor, zmq.POLLIN)
+
+    def watch_pipe(self, fd: int, name: str) -> None:
+        """Report the end of pipe ``fd`` (a lifeline whose writer is process ``name``) as ``PeerGone``."""
+        self._pipes[fd] = name
+        self._poller.register(fd, zmq.POLLIN)
+
+    def connect(self, peer: str, endpoint: str, receive: bool = True, watch: bool = False) -> None:
         """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
-        (by one thread at a time, not necessarily the van's owner)."""
+        (by one thread at a time, not necessarily the van's owner); ``watch``: report its end."""
         if peer in self._dealers:
             raise RuntimeError(f"already connected to {peer}")
         sock = self._socket(zmq.DEALER)
@@ -130,6 +156,8 @@ class Van:
         self._names[sock] = peer
         if receive:
             self._poller.register(sock, zmq.POLLIN)
+        if watch:
+            self._watch(sock, peer, endpoint)
 
     def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
         """Queue ``msg`` for ``peer`` and return (payload buffers must stay unchanged until sent);
@@ -168,11 +196,18 @@ class Van:
         """Messages that arrived, waiting up to ``timeout`` s for the first (or a wake-up); one
         that does not decode comes as a :class:`ProtocolError`, so its sender can be answered."""
         out: list[Received] = []
+        self.polled = time.monotonic()
         for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
             if isinstance(sock, int):
+                if sock in self._pipes and not os.read(sock, 4096):
+                    self._poller.unregister(sock)
+                    out.append((self._pipes.pop(sock), PeerGone("its end of the lifeline closed")))
                 with contextlib.suppress(BlockingIOError):
-                    while os.read(sock, 4096):
+                    while sock == self._wake_r and os.read(sock, 4096):
                         pass
+                continue
+            if sock in self._names and sock not in self._dealers.values():  # a monitor: connections that closed
+                out.extend(self._closed(sock))
                 continue
             for _ in range(self.MAX_BATCH):
                 try:
@@ -181,6 +216,9 @@ class Van:
                     break
                 if sock is self._router:
                     route = bytes(frames[0].buffer)
+                    if route not in self._fds and self._monitors:
+                        with contextlib.suppress(zmq.ZMQError):  # (EINVAL for some frames: the next one tells)
+                            self._fds[route] = frames[1].get(zmq.SRCFD)
                     if self.secret is not None and route not in self._peers:
                         self._admit(route, frames[1:])
                         continue
@@ -192,6 +230,22 @@ class Van:
                     out.append((peer, decode(frames)))
                 except ProtocolError as exc:
                     out.append((peer, exc))
+        return out
+
+    def _closed(self, monitor: zmq.Socket[bytes]) -> list[Received]:
+        out: list[Received] = []
+        while monitor.poll(0):
+            fd = recv_monitor_message(monitor)["value"]
+            peer = self._names[monitor]
+            if not peer:  # the listener's: which connection had that descriptor
+                # (a suspicion only: the descriptor may have been reused by a connection that has
+                # not sent yet, so a peer that goes on sending is alive; the next message tells its fd)
+                route = next((r for r, f in self._fds.items() if f == fd), None)
+                if route is None or (self.secret is not None and route not in self._peers):
+                    continue  # one that sent nothing, or a stranger's
+                del self._fds[route]
+                peer = "client:" + route.hex()
+            out.append((peer, PeerGone("its connection closed: the process exited or was killed")))
         return out
 
     def _admit(self, route: bytes, frames: list[zmq.Frame]) -> None:
@@ -230,6 +284,10 @@ class Van:
         if self.closed:
             return
         self.closed = True
+        for sock, monitor in self._monitors.items():
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            monitor.close(linger=0)
         for sock in [*self._dealers.values(), *([self._router] if self._router is not None else [])]:
             sock.setsockopt(zmq.LINGER, int(linger * 1000))
             sock.close()

@@ -6,6 +6,8 @@ on a mismatch; the test checks the launcher's status and shows every process's o
 
 from __future__ import annotations
 
+import signal
+import socket
 from pathlib import Path
 
 import pytest
@@ -131,10 +133,11 @@ def test_killed_server_is_named_and_the_job_stops(tmp_path: Path) -> None:
     assert res.seconds < 45, res
 
 
-def test_heartbeats_name_a_dead_server_without_the_launcher(tmp_path: Path) -> None:
-    """Started by hand (no launcher watching): the workers notice through the scheduler's heartbeats."""
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_lost_server_is_named_at_once_without_the_launcher(tmp_path: Path, sig: signal.Signals) -> None:
+    """Started by hand (no launcher watching): a killed server's closed connection tells the scheduler
+    at once, though heartbeats would wait 30 s; a stopped one (hung, not dead) only heartbeats can tell."""
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -149,7 +152,7 @@ def test_heartbeats_name_a_dead_server_without_the_launcher(tmp_path: Path) -> N
         "DMLC_PS_ROOT_PORT": str(port),
         "DMLC_NUM_WORKER": "1",
         "DMLC_NUM_SERVER": "2",
-        "PSKV_HEARTBEAT_TIMEOUT": "3",
+        "PSKV_HEARTBEAT_TIMEOUT": "3" if sig == signal.SIGSTOP else "30",
         "PSKV_TIMEOUT": "120",
     }
     script = tmp_path / "w.py"

@@ -250,3 +250,50 @@ def test_three_workers_two_servers_with_the_jobs_secret(tmp_path: Path) -> None:
     res = run([sys.executable, "-m", "pskv", "launch", "-n", "3", "-s", "2", *env_args(), *marker_args(mark), *formulas_args()], timeout=200, cwd=project)
     check_formulas(res)
     assert wait_gone(mark) == []
+
+
+def test_a_killed_launcher_ends_every_process_with_an_error(tmp_path: Path) -> None:
+    """``kill -9`` of ``pskv launch``: its lifeline pipe ends, and the scheduler, servers and workers
+    each stop with an error (exit status not 0) at once. A harness adopts the orphans (Linux
+    PR_SET_CHILD_SUBREAPER) to read their exit statuses."""
+    (tmp_path / "job.py").write_text(
+        "import os, time, torch, pskv\n"
+        "kv = pskv.kv.create('dist_sync')\n"
+        "kv.init('w', torch.zeros(10))\n"
+        "open(f'ready.{kv.rank}', 'w').close()\n"
+        "try:\n"
+        "    while True:\n"
+        "        kv.pushpull('w', torch.ones(10), torch.empty(10))\n"
+        "        time.sleep(0.02)\n"
+        "except pskv.errors.NodeFailedError as exc:\n"
+        "    open(f'error.{kv.rank}', 'w').write(str(exc))\n"
+        "    raise\n"
+    )
+    harness = """
+import ctypes, glob, json, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: the job's orphans become ours
+launcher = subprocess.Popen([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", sys.executable, "job.py"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+until = time.monotonic() + 120
+while len(glob.glob("ready.*")) < 2 and time.monotonic() < until and launcher.poll() is None:
+    time.sleep(0.05)
+os.kill(launcher.pid, signal.SIGKILL)
+killed, ended = time.monotonic(), {}
+while time.monotonic() - killed < 60:
+    try:
+        pid, status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    ended[pid] = [os.waitstatus_to_exitcode(status), time.monotonic() - killed]
+print(json.dumps({"launcher": launcher.pid, "ended": ended}))
+"""
+    res = run([sys.executable, "-c", harness], timeout=150, cwd=tmp_path)
+    assert res.code == 0, res
+    report = json.loads(res.stdout)
+    ended = {int(pid): v for pid, v in report["ended"].items()}
+    assert ended.pop(report["launcher"])[0] == -signal.SIGKILL, res
+    assert len(ended) == 5, res  # scheduler, 2 servers, 2 workers
+    assert all(code != 0 and took < 10 for code, took in ended.values()), res
+    for rank in (0, 1):
+        text = (tmp_path / f"error.{rank}").read_text()
+        assert f"the launcher (pid {report['launcher']}) that started this job is gone" in text, text
