@@ -21,7 +21,8 @@ from .errors import *  # noqa: F403  (every error class)
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from . import compression as compression  # "as": re-exported, for type checkers
+    from . import checkpoint as checkpoint  # "as": re-exported, for type checkers
+    from . import compression as compression
     from . import data as data
     from . import kv as kv
     from . import optim as optim
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from .trainer import Trainer as Trainer
 
 # Imported on first use: the submodules themselves, and names from them.
-_SUBMODULES = ("compression", "data", "kv", "optim")
+_SUBMODULES = ("checkpoint", "compression", "data", "kv", "optim")
 _NAMES = {"split_and_load": "pskv.data", "Trainer": "pskv.trainer"}
 
 
@@ -42,4 +43,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pskv' has no attribute {name!r}")
 
 
-__all__ = sorted([*errors.__all__, "Trainer", "__version__", "compression", "data", "kv", "optim", "split_and_load"])
+__all__ = sorted([*errors.__all__, "Trainer", "__version__", "checkpoint", "compression", "data", "kv", "optim", "split_and_load"])

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from pskv import checkpoint
 from pskv.app import datasets, models
 from pskv.data import SplitSampler, split_and_load
 from pskv.errors import PSKVError
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--devices", default="cpu", help="this worker's devices, e.g. cuda:0,cuda:1 (%(default)s)")
     add("--seed", type=int, default=0, help="%(default)s")
     add("--threads", type=int, help="torch threads per worker (default: OMP_NUM_THREADS or all cores)")
+    add("--checkpoint-dir", type=Path, help="after each epoch, save weights, optimizer states and progress here")
+    add("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir, if any")
     add("--report", type=Path, help="write a JSON report here (worker 0)")
     add("--plot", type=Path, help="write a PNG of loss and accuracy per epoch here (worker 0)")
     add("--no-progress", action="store_true", help="no progress bar")
@@ -83,6 +86,8 @@ def run_worker(args: argparse.Namespace) -> int:
     # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
     classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
     nets = [models.get_model(args.model, classes, channels, args.image_size).to(d) for d in devices]
+    resumed = checkpoint.latest(args.checkpoint_dir) if args.resume else None
+    progress = checkpoint.load_weights(resumed, nets) if resumed else {}  # before the Trainer sends them
     hyper: dict[str, Any] = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
     steps = max(2, steps_per_epoch * args.epochs)
     if args.lr_schedule == "step":  # x0.1 at 50% and at 75% of the run
@@ -93,6 +98,8 @@ def run_worker(args: argparse.Namespace) -> int:
         hyper["lr_scheduler"] = {"name": "cosine", "max_update": steps, "final_lr": 0.0, "warmup_steps": warmup}
     trainer = Trainer([net.parameters() for net in nets], "sgd", hyper, kvstore=kv)
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
+    if resumed:
+        checkpoint.load_states(resumed, trainer)
 
     if rank == 0:
         store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
@@ -102,9 +109,11 @@ def run_worker(args: argparse.Namespace) -> int:
             f"batch {args.batch_size} per worker, {args.epochs} epochs",
             flush=True,
         )
-    history: list[dict[str, Any]] = []
+        if args.resume:
+            print(f"pskv train: resuming from {resumed}, {progress['epoch']} epochs done" if resumed else f"pskv train: no checkpoint in {args.checkpoint_dir} yet; starting", flush=True)
+    history: list[dict[str, Any]] = progress.get("history", [])
     started = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch in range(progress.get("epoch", 0), args.epochs):
         # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
         # sums the gradients over devices and workers and waits for the servers' new weights.
         sampler.set_epoch(epoch)
@@ -162,6 +171,8 @@ def run_worker(args: argparse.Namespace) -> int:
                 f"{row['samples_per_sec']:.1f} samples/s total",
                 flush=True,
             )
+        if args.checkpoint_dir:
+            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history})
     if rank == 0:
         last, seconds = history[-1], time.perf_counter() - started
         # the run's samples/s: every epoch's rate weighted by its time
@@ -217,6 +228,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         if (args.workers is not None and args.workers < 1) or args.epochs < 1 or args.batch_size < 1:
             raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
+        if args.resume and not args.checkpoint_dir:
+            raise PSKVError("--resume needs --checkpoint-dir (where the checkpoints are)")
         if not dist and (args.workers or 1) != 1:
             raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
         if os.environ.get("DMLC_ROLE") or not dist:

@@ -31,6 +31,7 @@ EXPECTED = [
     "TrainerError",
     "ValueCountError",
     "__version__",
+    "checkpoint",
     "compression",
     "data",
     "kv",

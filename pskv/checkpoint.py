@@ -1,0 +1,82 @@
+"""Resumable training: a directory with one checkpoint per completed epoch, ``epoch-N/`` holding the
+model's weights (``model.pt``), the optimizer's states, read from the servers when they run it
+(``optimizer.pt``), and the caller's progress (``progress.json``). Each is written as
+``epoch-N.tmp`` and renamed into place, so a job killed at any moment leaves the last complete one;
+a job resumed from it may have another number of workers or servers (docs/TRAINING.md).
+
+>>> path = checkpoint.latest(directory)                      # before the Trainer: it sends worker
+>>> progress = checkpoint.load_weights(path, [net]) if path else {}  # 0's weights to the servers
+>>> trainer = pskv.Trainer(net.parameters(), "sgd", {...}, kvstore=kv)
+>>> if path: checkpoint.load_states(path, trainer)
+>>> ... each epoch: checkpoint.save(directory, epoch + 1, net, trainer, {"history": ...})
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .errors import TrainerError
+from .trainer import Trainer
+
+PREFIX = "epoch-"
+
+
+def _epoch(path: Path) -> int:
+    tail = path.name[len(PREFIX) :]
+    return int(tail) if path.name.startswith(PREFIX) and tail.isdigit() else -1
+
+
+def latest(directory: Union[str, Path]) -> Optional[Path]:
+    """The newest complete checkpoint in ``directory``; None if it has none."""
+    done = [p for p in Path(directory).glob(f"{PREFIX}*") if _epoch(p) >= 0 and (p / "progress.json").is_file()]
+    return max(done, key=_epoch, default=None)
+
+
+def save(directory: Union[str, Path], epoch: int, model: nn.Module, trainer: Trainer, progress: dict[str, Any]) -> None:
+    """Every worker calls this at the same point, after ``epoch`` epochs: worker 0 writes the
+    checkpoint while the others wait at a barrier (the servers' states are read while no one
+    pushes); older checkpoints are then removed."""
+    kv = trainer.kvstore
+    if kv is None or kv.rank == 0:
+        final = Path(directory) / f"{PREFIX}{epoch}"
+        temp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(temp, ignore_errors=True)
+        temp.mkdir(parents=True)
+        torch.save(model.state_dict(), temp / "model.pt")
+        trainer.save_states(temp / "optimizer.pt")
+        (temp / "progress.json").write_text(json.dumps({**progress, "epoch": epoch}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        temp.rename(final)
+        for old in Path(directory).glob(f"{PREFIX}*"):
+            if old != final and (0 <= _epoch(old) < epoch or old.name.endswith(".tmp")):
+                shutil.rmtree(old, ignore_errors=True)
+    if kv is not None:
+        kv.barrier()
+
+
+def load_weights(path: Path, models: Sequence[nn.Module]) -> dict[str, Any]:
+    """Put the weights of checkpoint ``path`` into each of ``models``; the progress it saved (with
+    ``"epoch"``, the epochs done). Call it before making the Trainer, which sends these weights."""
+    try:
+        weights = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+        progress: dict[str, Any] = json.loads((path / "progress.json").read_text())
+        for m in models:
+            m.load_state_dict(weights)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise TrainerError(f"cannot resume from {path}: {exc}") from None
+    return progress
+
+
+def load_states(path: Path, trainer: Trainer) -> None:
+    """Every worker: the optimizer's states of checkpoint ``path`` (onto the servers when they run it;
+    the schedule goes on from the saved step), then a barrier, so no one pushes before they are in."""
+    trainer.load_states(path / "optimizer.pt")
+    if trainer.kvstore is not None:
+        trainer.kvstore.barrier()
