@@ -75,11 +75,16 @@ def run_worker(args: argparse.Namespace) -> int:
 
     # 2. This worker's part of the data: worker r of W reads the r-th contiguous slice of the training
     # set, reshuffled each epoch with a seed all workers share (every worker loads the same data set).
+    # If a worker is lost (pskv launch --min-workers), the others share the data from the next epoch.
     train_set = datasets.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
     test_set = datasets.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
     train_tf, test_tf = datasets.transforms_for(args.dataset, args.image_size)
-    sampler = SplitSampler(len(train_set), workers, rank, shuffle=True, seed=args.seed)
-    test_part = range(len(test_set) * rank // workers, len(test_set) * (rank + 1) // workers)
+
+    def share(live: list[int]) -> tuple[SplitSampler, range]:
+        i, n = live.index(rank), len(live)
+        return SplitSampler(len(train_set), n, i, shuffle=True, seed=args.seed), range(len(test_set) * i // n, len(test_set) * (i + 1) // n)
+
+    sampler, test_part = share(list(range(workers)))
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)  # augmentation differs per worker
 
@@ -119,7 +124,7 @@ def run_worker(args: argparse.Namespace) -> int:
         sampler.set_epoch(epoch)
         loss_sum, correct, seen = 0.0, 0, 0
         bar = tqdm(
-            datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), total=steps_per_epoch,
+            datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), total=math.ceil(len(sampler) / args.batch_size),
             desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False, file=sys.stderr, ncols=100,
             disable=rank != 0 or args.no_progress,
         )  # fmt: skip
@@ -150,7 +155,8 @@ def run_worker(args: argparse.Namespace) -> int:
             "loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
             "test_correct": test_correct, "test_seen": len(test_part),
         }  # fmt: skip
-        everyone = kv.allgather(mine)
+        everyone = kv.allgather({**mine, "rank": rank})  # from the workers still in the job
+        sampler, test_part = share([e["rank"] for e in everyone])
         total = {key: sum(e[key] for e in everyone) for key in mine}
         row = {
             "epoch": epoch + 1,

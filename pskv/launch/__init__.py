@@ -63,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for suffix, whom in (("", "every process"), ("-server", "servers only"), ("-worker", "workers only")):
         option(f"--env{suffix}", action="append", default=[], metavar="NAME[:VALUE]", help=f"environment for {whom}")
     option("--timeout", type=float, help="stop the job after this many seconds")
+    option("--min-workers", type=int, metavar="K", help="go on without a worker that fails while K others live "
+           "(PSKV_MIN_WORKERS; dist_sync rounds then sum the live workers' gradients); default: a lost worker ends the job")  # fmt: skip
     option("--python", used_by=cluster, help="the Python interpreter on the cluster's hosts, which must import pskv "
            "(default: python3; the local launcher always uses the one running pskv)")  # fmt: skip
     option("--ssh-command", used_by=("ssh", "mpi"), help="ssh client command, e.g. 'ssh -F ~/.ssh/cluster_config' "
@@ -101,9 +103,14 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError(f"cannot split {ssh!r} or --launcher-args: {exc}") from None
     if not ssh_command:
         raise LaunchError("--ssh-command is empty")
+    env = parse_env_specs(args.env)
+    if args.min_workers is not None:
+        if not 1 <= args.min_workers < args.num_workers:
+            raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
+        env["PSKV_MIN_WORKERS"] = str(args.min_workers)
     spec = JobSpec(
         args.num_workers, args.num_workers if args.num_servers is None else args.num_servers, command,
-        env=parse_env_specs(args.env),
+        env=env,
         role_env={"server": parse_env_specs(args.env_server), "worker": parse_env_specs(args.env_worker)},
         python=args.python or "python3", hosts=read_hostfile(args.hostfile) if args.hostfile else [],
         sync_dst_dir=args.sync_dst_dir, timeout=args.timeout, launcher_args=launcher_args, ssh_command=ssh_command,

@@ -148,13 +148,15 @@ class ProcessContext:
                     sink.write("".join(tag + line for line in lines))
                     sink.flush()
 
-    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None) -> int:
+    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None, min_workers: int = 0) -> int:
         """Wait for the job; the launcher's exit status. The job succeeds when every main process
         exits 0 and every helper then exits by itself within ``finish_timeout``. The first process
-        to fail stops all others, and its status is returned; ``timeout`` stops the job with 124."""
+        to fail stops all others, and its status is returned, unless it is a worker and at least
+        ``min_workers`` others remain (the job goes on without it); ``timeout`` stops the job with 124."""
         started = time.monotonic()
         finished_at: Optional[float] = None
         next_sample = 0.0
+        lost: list[Watched] = []
         while True:
             if time.monotonic() >= next_sample:
                 for proc in self.procs:
@@ -162,7 +164,12 @@ class ProcessContext:
                 next_sample = time.monotonic() + 0.25
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
-            failed = sorted((p for p, _ in self.watched if p.returncode), key=lambda p: (p.returncode or 0) > 0)
+            failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
+            workers = sum(p.name.startswith("worker ") and p not in lost for p, main in self.watched if main)
+            if failed and failed[0].name.startswith("worker ") and 0 < min_workers < workers:
+                lost.append(failed[0])
+                self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; the job goes on with {workers - 1} workers (--min-workers {min_workers})", failed[0])
+                continue
             if failed:
                 p, code = failed[0], failed[0].returncode or 0
                 self.stop_all()
@@ -170,7 +177,7 @@ class ProcessContext:
                 cause = f" ({first})" if first else ""
                 self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
                 return failure_status(first) if first else exit_status(code)
-            if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main):
+            if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
             alive = [p.name for p, main in self.watched if not main and p.returncode is None]
             if finished_at is not None and not alive:
@@ -309,7 +316,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     try:
         backend.start(ctx, start_scheduler(ctx, spec, backend) if here else None)
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
-        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout)
+        min_workers = int({**spec.environ, **spec.env}.get("PSKV_MIN_WORKERS") or 0)
+        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers)
         return status
     except BaseException as exc:
         ctx.stop_all()

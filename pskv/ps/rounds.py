@@ -95,6 +95,7 @@ class Part:
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
     queued: dict[int, deque[tuple[Tensor, Optional[Waiting], bool]]] = field(default_factory=dict)  # not merged yet
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
+    rescale: Optional[tuple[int, float]] = None  # (round, rescale) a pull brought before that round merged
     pulls: list[Waiting] = field(default_factory=list)
 
     @property
@@ -122,7 +123,7 @@ class Rounds:
     """
 
     def __init__(self, num_workers: int, timeout: float, storage: Optional[Callable[[Part], Tensor]] = None):
-        self.workers = range(num_workers)
+        self.workers = list(range(num_workers))  # those whose pushes a round sums
         self.timeout = timeout
         self.storage = storage or (lambda p: torch.empty(p.rows, p.row_numel, dtype=p.dtype))
         self.parts: dict[tuple[int, int], Part] = {}
@@ -187,6 +188,8 @@ class Rounds:
                 )
             if p.mode == "sync" and rank in self.finished:
                 raise NodeFailedError(f"worker {rank} pushed after it finished")
+            if rank not in self.workers:
+                raise NodeFailedError(f"worker {rank} was declared lost (PSKV_MIN_WORKERS): the job went on without it")
             expected = latest.get(id(p), p.pushed.get(rank, 0)) + 1
             if e.round > expected and p.mode == "sync":  # async: rounds skipped by rejected pushes do not matter
                 raise ProtocolError(f"{p}: worker {rank} pushed round {e.round} but its next round is {expected}")
@@ -225,8 +228,10 @@ class Rounds:
             out += [Answer(ack.req, ack.entry) for _, ack, _ in entries if ack is not None]
             merged = self._merge(p, [g for g, _, _ in entries])
             if merged is not None and any(held for _, _, held in entries):
-                p.held = merged
-                break
+                if p.rescale is None or p.rescale[0] != p.rounds + 1 or self.optimizer is None:
+                    p.held = merged
+                    break
+                self.optimizer.set_rescale_grad(p.rescale[1])  # a pull of this round came already
             out += self._apply(p, merged)
         return out
 
@@ -277,6 +282,8 @@ class Rounds:
                 self.optimizer.set_rescale_grad(e.rescale)
                 out += self._apply(p, held)
                 out += self._complete(p)
+            elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
+                p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
             w = Waiting(req, i, e.round, e.rows)
             if e.part.mode == "async" or e.round <= e.part.rounds:
                 out.append(self._answer(e.part, w))
@@ -322,6 +329,16 @@ class Rounds:
         """Worker ``rank`` closed its store: fail every round that still needs it."""
         self.finished.add(rank)
         return [a for p in self.parts.values() for a in self._fail_blocked(p)]
+
+    def lose(self, rank: int) -> list[Answer]:
+        """Worker ``rank`` failed and the job goes on without it (``PSKV_MIN_WORKERS``): its pushes
+        not merged yet are dropped, and rounds complete with the other workers' pushes."""
+        self.workers.remove(rank)
+        out = []
+        for p in self.parts.values():
+            p.queued.pop(rank, None)
+            out += self._complete(p)
+        return out
 
     def expire(self, now: float) -> list[Answer]:
         """Fail the requests that waited longer than the timeout, saying what they wait for."""

@@ -25,6 +25,7 @@ class _Node:
     last_seen: float = field(default_factory=time.monotonic)
     finished: bool = False
     closed: float = 0.0  # when its connection was seen to close (0: not since its last message)
+    lost: bool = False  # a worker that failed, and the job went on without it (PSKV_MIN_WORKERS)
 
     def info(self) -> dict[str, Any]:
         """This node's row of the node table."""
@@ -54,12 +55,13 @@ class Scheduler:
         self.status: Optional[int] = None
         self.timeout = config.timeout()
         self.hb_timeout = config.heartbeat_timeout()
+        self.min_workers = config.min_workers()
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
         if group not in ("server", "worker", "all"):
             raise ClusterError(f"unknown barrier group {group!r}")
-        nodes = [n for n in self.nodes.values() if group in (n.role, "all")]
+        nodes = [n for n in self.nodes.values() if group in (n.role, "all") and not n.lost]
         return sorted(nodes, key=lambda n: (n.role, n.rank))  # "server" < "worker"
 
     def _send(self, node: _Node, msg: Message) -> None:
@@ -171,9 +173,13 @@ class Scheduler:
 
     def _fail_start(self) -> None:
         have_s, have_w = len(self._members("server")), len(self._members("worker"))
+        ids = {(n.role, n.meta.get("id")) for n in self.nodes.values()}
+        absent = [f"{r} {i}" for r, want in (("server", self.env.num_servers), ("worker", self.env.num_workers))
+                  for i in range(want) if (r, i) not in ids and (r, None) not in ids]  # fmt: skip
         missing = (
             f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
             f"{self.env.num_workers} workers registered with the scheduler at {self.env.scheduler_endpoint}"
+            f"{'; not registered: ' + ', '.join(absent) if absent else ''}"
         )
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
@@ -189,8 +195,12 @@ class Scheduler:
         gone = [n for n in members if n.finished]
         if gone:
             raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
-        bar = self.barriers.setdefault(group, _Barrier(time.monotonic()))
-        bar.waiting[node.peer] = msg
+        self.barriers.setdefault(group, _Barrier(time.monotonic())).waiting[node.peer] = msg
+        self._release(group)
+
+    def _release(self, group: str) -> None:
+        """End the barrier of ``group`` if every member is there."""
+        members, bar = self._members(group), self.barriers[group]
         if all(n.peer in bar.waiting for n in members):
             del self.barriers[group]
             # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
@@ -225,6 +235,9 @@ class Scheduler:
         for group in list(self.barriers):
             if node in self._members(group):
                 self._fail_barrier(group, finished_without(str(node), f"reaching the barrier of the {group}s"))
+        self._shutdown_when_done()
+
+    def _shutdown_when_done(self) -> None:
         if all(n.finished for n in self._members("worker")):
             self._broadcast(Message(Type.SHUTDOWN), roles=("server",))
             self.status = 0
@@ -250,7 +263,15 @@ class Scheduler:
     def _lost(self, node: _Node, reason: str) -> None:
         """Tell every node that ``node`` failed, and end the job."""
         exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
-        print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         node.finished = True
+        left = sum(not n.lost for n in self._members("worker")) - 1
+        if node.role == "worker" and 0 < self.min_workers <= left and self.started:
+            print(f"pskv scheduler: {exc}; the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})", file=sys.stderr, flush=True)
+            node.lost = True  # no longer a member of anything: barriers and rounds go on without it
+            self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank, "lost": True}), roles=("server",))
+            for group in list(self.barriers):
+                self._release(group)
+            return self._shutdown_when_done()
+        print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}) if self.started else error_reply(None, exc))
         self.status = 1

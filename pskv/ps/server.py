@@ -147,8 +147,9 @@ class Server(Node):
     def _control(self, msg: Message) -> None:
         if msg.type == Type.SHUTDOWN:
             self.status = 0
-        elif msg.type == Type.WORKER_LEFT:
-            self._deliver(self.rounds.finish(int((msg.meta or {})["rank"])))
+        elif msg.type == Type.WORKER_LEFT:  # finished, or lost with the job going on without it
+            rank, lost = int((msg.meta or {})["rank"]), bool((msg.meta or {}).get("lost"))
+            self._deliver(self.rounds.lose(rank) if lost else self.rounds.finish(rank))
         elif msg.type == Type.NODE_FAILED:
             self._stop(failure(msg))
 

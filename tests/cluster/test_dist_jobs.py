@@ -360,3 +360,83 @@ def test_pskv_train_resume_needs_a_checkpoint_dir(tmp_path: Path) -> None:
                "--epochs", "1", "--no-progress", "--checkpoint-dir", str(tmp_path), "--resume"], timeout=120)  # fmt: skip
     assert res.code == 0 and f"no checkpoint in {tmp_path} yet; starting" in res.stdout, res
     assert (tmp_path / "epoch-1" / "model.pt").is_file(), res
+
+
+def test_min_workers_the_job_goes_on_without_a_killed_worker(tmp_path: Path) -> None:
+    """``--min-workers 2`` of 3: worker 2 is killed (-9) before its 4th push; the rounds from then on
+    sum the 2 live workers' pushes (no optimizer: the value is the sum), barriers and allgather go on
+    without it, and the job ends with status 0."""
+    script = """
+    import os, signal, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(4))
+    out, seen = torch.empty(4), []
+    for step in range(8):
+        if kv.rank == 2 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        kv.push("w", torch.ones(4))
+        kv.pull("w", out)
+        seen.append(out[0].item())
+    assert seen == [3.0] * 3 + [2.0] * 5, seen
+    kv.barrier()
+    print("members", kv.rank, kv.allgather(kv.rank), flush=True)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 2, launch_args=["--min-workers", "2"], timeout=120)
+    assert res.code == 0, res
+    assert "members 0 [0, 1]" in res.stdout and "members 1 [0, 1]" in res.stdout, res
+    assert "worker 2 was killed by SIGKILL; the job goes on with 2 workers (--min-workers 2)" in res.stderr, res
+    assert "worker 2 (host" in res.stderr and "the job goes on with 2 workers (PSKV_MIN_WORKERS=2)" in res.stderr, res
+    res = launch(tmp_path, script, 3, 2, launch_args=["--min-workers", "3"], timeout=60)
+    assert res.code == 2 and "--min-workers 3: it must be at least 1 and less than -n 3" in res.stderr, res
+
+
+def test_min_workers_pskv_train_finishes_without_a_killed_worker(tmp_path: Path) -> None:
+    """``pskv train`` by 3 workers, one killed (-9) once the first epoch is reported: the other two
+    share the data from the next epoch and finish every epoch."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .jobs import REPO
+
+    report = tmp_path / "report.json"
+    argv = [sys.executable, "-m", "pskv", "launch", "-n", "3", "-s", "1", "--min-workers", "2", "--", sys.executable, "-m",
+            "pskv", "train", "--model", "small_cnn", "--epochs", "3", "--no-progress", "--report", str(report)]  # fmt: skip
+    launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert launcher.stdout is not None
+        lines = []
+        for line in launcher.stdout:
+            lines.append(line)
+            if line.startswith("[worker 0] epoch 1,"):
+                break
+        victim = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit() and _is_worker_2_of(int(pid), launcher.pid))
+        os.kill(victim, signal.SIGKILL)
+        try:
+            out, err = launcher.communicate(timeout=150)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            out, err = launcher.communicate()
+            raise AssertionError(f"timed out\n{''.join(lines)}{out}\n--- stderr ---\n{err}") from None
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    out = "".join(lines) + out
+    assert launcher.returncode == 0, f"{out}\n{err}"
+    assert "worker 2 was killed by SIGKILL; the job goes on with 2 workers" in err, err
+    epochs = json.loads(report.read_text())["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3] and all(e["loss"] == e["loss"] for e in epochs), epochs
+
+
+def _is_worker_2_of(pid: int, parent: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) != parent:
+                return False
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return b"DMLC_WORKER_ID=2" in f.read().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return False
