@@ -8,6 +8,7 @@ a server or a worker) and a moment, and ends as one of:
 
 - ``same result``: the job finished and its parameters equal the reference (the fault came too late
   to matter, or the job recovered from it);
+- ``finished without it`` (``--min-workers 1``): a worker was lost and the other finished the job;
 - ``clear error``: the launcher exited non-zero naming the lost process, within 15 s of a kill or
   within the heartbeat deadline (``PSKV_HEARTBEAT_TIMEOUT``, 5 s here; ``PSKV_START_TIMEOUT``, 20 s,
   for a process stopped before it registered) + 15 s of a stop;
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 HEARTBEAT = 5.0
@@ -50,8 +52,7 @@ for step in range(40):
     grads = {k: torch.randn(shape, generator=g) for k, shape in shapes.items()}
     kv.pushpull(list(shapes), list(grads.values()), list(outs.values()))
     time.sleep(0.05)
-if kv.rank == 0:
-    torch.save(outs, sys.argv[1])
+torch.save(outs, f"{sys.argv[1]}.{kv.rank}")
 kv.close()
 """
 
@@ -82,12 +83,14 @@ def role(pid: int) -> str:
     return f"{name} {rank.decode()}" if rank is not None else name
 
 
-def run_once(work: Path, fault: tuple[str, str, float] | None) -> dict[str, object]:
+def run_once(work: Path, fault: tuple[str, str, float] | None, min_workers: int = 0) -> dict[str, object]:
     """One job; ``fault`` = (victim role, "kill" or "stop", seconds after start)."""
     result = work / "params.pt"
-    result.unlink(missing_ok=True)
+    for old in work.glob("params.pt.*"):
+        old.unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PSKV_HEARTBEAT_TIMEOUT": str(HEARTBEAT), "PSKV_START_TIMEOUT": str(START)}
-    argv = [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", sys.executable, str(work / "job.py"), str(result)]
+    elastic = ["--min-workers", str(min_workers)] if min_workers else []
+    argv = [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", *elastic, "--", sys.executable, str(work / "job.py"), str(result)]
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     start, hit, faulted = time.monotonic(), None, None
     stopped: list[int] = []
@@ -119,17 +122,19 @@ def run_once(work: Path, fault: tuple[str, str, float] | None) -> dict[str, obje
                 os.kill(pid, signal.SIGKILL)
     took = None if faulted is None else time.monotonic() - faulted
     return {"hung": hung, "code": launcher.returncode, "stderr": err[-3000:], "hit": hit, "after_fault_s": took,
-            "params": str(result) if result.exists() else None}  # fmt: skip
+            "params": next((str(p) for p in sorted(work.glob("params.pt.*"))), None)}  # fmt: skip
 
 
-def classify(run: dict[str, object], fault: tuple[str, str, float], reference: dict[str, object]) -> str:
+def classify(run: dict[str, object], fault: tuple[str, str, float], reference: dict[str, Any], elastic: bool) -> str:
     import torch
 
     if run["hung"]:
         return "hang"
     if run["code"] == 0:
         got = torch.load(str(run["params"])) if run["params"] else None
-        same = got is not None and all(torch.equal(got[k], reference[k]) for k in reference)  # type: ignore[index]
+        same = got is not None and all(torch.equal(got[k], reference[k]) for k in reference)
+        if not same and elastic and fault[0].startswith("worker") and got is not None and run["hit"] == fault[0]:
+            return "finished without it"  # --min-workers: the later rounds summed fewer gradients
         return "same result" if same else "wrong result"
     named = str(run["hit"]) in str(run["stderr"])
     limit = 15.0 if fault[1] == "kill" else max(HEARTBEAT, START) + 15.0
@@ -144,6 +149,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=50)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, help="write every run's fault and outcome here (JSON)")
+    p.add_argument("--min-workers", type=int, default=0, help="pskv launch --min-workers (1: a lost worker should not end the job)")
     args = p.parse_args()
     import torch
 
@@ -163,8 +169,8 @@ def main() -> int:
         rows = []
         for i in range(args.runs):
             fault = (rng.choice(victims), rng.choice(["kill", "kill", "stop"]), rng.uniform(1.0, length))
-            run = run_once(work, fault)
-            outcome = classify(run, fault, reference)
+            run = run_once(work, fault, args.min_workers)
+            outcome = classify(run, fault, reference, args.min_workers > 0)
             when = "" if run["after_fault_s"] is None else f", ended {float(run['after_fault_s']):.1f} s after"  # type: ignore[arg-type]
             print(f"run {i + 1:3d}: {fault[1]:4s} {fault[0]:9s} at {fault[2]:4.1f} s -> {outcome} (exit {run['code']}{when})", flush=True)
             rows.append({"victim": fault[0], "fault": fault[1], "at_s": round(fault[2], 2), "outcome": outcome,
@@ -172,8 +178,8 @@ def main() -> int:
                          "stderr_tail": str(run["stderr"])[-600:] if outcome not in ("clear error", "same result") else ""})  # fmt: skip
     table = collections.Counter((r["fault"], str(r["victim"]).split()[0], r["outcome"]) for r in rows)
     print("\n| fault | victim | outcome | runs |\n|---|---|---|---|")
-    for (fault_kind, victim, outcome), n in sorted(table.items()):
-        print(f"| {fault_kind} | {victim} | {outcome} | {n} |")
+    for (fault_kind, victim, result), n in sorted(table.items()):
+        print(f"| {fault_kind} | {victim} | {result} | {n} |")
     totals = collections.Counter(r["outcome"] for r in rows)
     print(f"\n{args.runs} runs: " + ", ".join(f"{k} {v}" for k, v in sorted(totals.items())))
     if args.out:
