@@ -17,8 +17,9 @@ a server or a worker) and a moment, and ends as one of:
 - ``hang``: still running 60 s after the fault (then killed);
 - ``wrong result``: exit 0 with other parameters.
 
-Without replicas (R=0, today) a lost server, worker or scheduler ends the job: the goal is 0 hangs,
-0 wrong results, every error clear.
+Without replicas or ``--min-workers`` a lost server, worker or scheduler ends the job: the goal is 0
+hangs, 0 wrong results, every error clear. With ``--replicas 1`` a killed server's run should end
+with the same result; with ``--min-workers 1`` a killed worker's run should finish without it.
 """
 
 from __future__ import annotations
@@ -83,13 +84,13 @@ def role(pid: int) -> str:
     return f"{name} {rank.decode()}" if rank is not None else name
 
 
-def run_once(work: Path, fault: tuple[str, str, float] | None, min_workers: int = 0) -> dict[str, object]:
+def run_once(work: Path, fault: tuple[str, str, float] | None, min_workers: int = 0, replicas: int = 0) -> dict[str, object]:
     """One job; ``fault`` = (victim role, "kill" or "stop", seconds after start)."""
     result = work / "params.pt"
     for old in work.glob("params.pt.*"):
         old.unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PSKV_HEARTBEAT_TIMEOUT": str(HEARTBEAT), "PSKV_START_TIMEOUT": str(START)}
-    elastic = ["--min-workers", str(min_workers)] if min_workers else []
+    elastic = (["--min-workers", str(min_workers)] if min_workers else []) + (["--replicas", "1"] if replicas else [])
     argv = [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", *elastic, "--", sys.executable, str(work / "job.py"), str(result)]
     launcher = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     start, hit, faulted = time.monotonic(), None, None
@@ -150,6 +151,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", type=Path, help="write every run's fault and outcome here (JSON)")
     p.add_argument("--min-workers", type=int, default=0, help="pskv launch --min-workers (1: a lost worker should not end the job)")
+    p.add_argument("--replicas", type=int, default=0, choices=[0, 1], help="pskv launch --replicas (1: a lost server should change nothing)")
     args = p.parse_args()
     import torch
 
@@ -169,7 +171,7 @@ def main() -> int:
         rows = []
         for i in range(args.runs):
             fault = (rng.choice(victims), rng.choice(["kill", "kill", "stop"]), rng.uniform(1.0, length))
-            run = run_once(work, fault, args.min_workers)
+            run = run_once(work, fault, args.min_workers, args.replicas)
             outcome = classify(run, fault, reference, args.min_workers > 0)
             when = "" if run["after_fault_s"] is None else f", ended {float(run['after_fault_s']):.1f} s after"  # type: ignore[arg-type]
             print(f"run {i + 1:3d}: {fault[1]:4s} {fault[0]:9s} at {fault[2]:4.1f} s -> {outcome} (exit {run['code']}{when})", flush=True)

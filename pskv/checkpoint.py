@@ -44,6 +44,7 @@ def save(directory: Union[str, Path], epoch: int, model: nn.Module, trainer: Tra
     checkpoint while the others wait at a barrier (the servers' states are read while no one
     pushes); older checkpoints are then removed."""
     kv = trainer.kvstore
+    trainer.synchronize()  # with the exchange overlapped, the last step's weights may still be coming
     if kv is None or kv.rank == 0:
         final = Path(directory) / f"{PREFIX}{epoch}"
         temp = final.with_name(final.name + ".tmp")

@@ -102,10 +102,11 @@ class DistStore(KVStore):
                 dense = value.detach().to_dense() if value.is_sparse else value.detach()
                 flat = dense.to("cpu").contiguous().view(-1)
             for p in self._parts[meta.id]:
-                rows, frames = batches.setdefault(p.server, ([], []))
-                rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, repr(meta.key)])
-                if flat is not None:
-                    frames.append(tensor_frame(flat[p.start : p.stop]))
+                for s in self._client.holders(p.server):  # and its backup (PSKV_REPLICAS)
+                    rows, frames = batches.setdefault(s, ([], []))
+                    rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, repr(meta.key)])
+                    if flat is not None:
+                        frames.append(tensor_frame(flat[p.start : p.stop]))
         mode = "async" if self._async else "sync"
         msgs = {s: Message(Type.INIT, meta={"mode": mode, "parts": rows}, frames=frames) for s, (rows, frames) in batches.items()}
         self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
@@ -283,7 +284,7 @@ class DistStore(KVStore):
         where = (meta.id, p.index)
         rescale_bits = 0 if rescale is None else float_bits(rescale)
         shm_ok = rows is None and p.server in self._client.shm_servers
-        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None), rescale_bits)
+        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None), rescale_bits, 0)
         self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype))
         self._before_push[where] = handle
 
@@ -309,7 +310,7 @@ class DistStore(KVStore):
 
     def _to_servers(self, make: Callable[[int], Message], what: str, on_reply: Optional[Callable[[Message], None]] = None) -> None:
         self._client.check()
-        self._client.wait([self._client.send(s, make(s), what, on_reply) for s in range(self.num_servers)])
+        self._client.wait([self._client.send(s, make(s), what, on_reply) for s in self._client.live_servers()])
 
     def _set_optimizer_impl(self, optimizer: Optimizer) -> None:
         keep = optimizer is self._optimizer  # the same object again: new hyperparameters, same states
@@ -354,8 +355,9 @@ class DistStore(KVStore):
             names, step = sorted(entry["tensors"]), int(entry["step"])
             flats = {n: entry["tensors"][n].to("cpu", meta.dtype).contiguous().view(-1) for n in names}
             for p in self._parts[meta.id]:
-                entries[p.server].append({"key": meta.id, "part": p.index, "step": step, "names": names})
-                frames[p.server] += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
+                for s in self._client.holders(p.server):
+                    entries[s].append({"key": meta.id, "part": p.index, "step": step, "names": names})
+                    frames[s] += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
         head = {"optimizer": state["optimizer"], "num_update": int(state["num_update"])}
         msgs = [Message(Type.SET_STATES, meta={**head, "parts": entries[s]}, frames=frames[s]) for s in entries]
         self._to_servers(lambda s: msgs[s], "load_optimizer_states")

@@ -63,6 +63,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for suffix, whom in (("", "every process"), ("-server", "servers only"), ("-worker", "workers only")):
         option(f"--env{suffix}", action="append", default=[], metavar="NAME[:VALUE]", help=f"environment for {whom}")
     option("--timeout", type=float, help="stop the job after this many seconds")
+    option("--replicas", type=int, choices=[0, 1], help="1: every server's parts are also kept by the next server, and "
+           "the job goes on when one server is lost (PSKV_REPLICAS; docs/DESIGN.md, 'A lost server')")  # fmt: skip
     option("--min-workers", type=int, metavar="K", help="go on without a worker that fails while K others live "
            "(PSKV_MIN_WORKERS; dist_sync rounds then sum the live workers' gradients); default: a lost worker ends the job")  # fmt: skip
     option("--python", used_by=cluster, help="the Python interpreter on the cluster's hosts, which must import pskv "
@@ -108,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.min_workers < args.num_workers:
             raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
         env["PSKV_MIN_WORKERS"] = str(args.min_workers)
+    if args.replicas:
+        env["PSKV_REPLICAS"] = str(args.replicas)
     spec = JobSpec(
         args.num_workers, args.num_workers if args.num_servers is None else args.num_servers, command,
         env=env,

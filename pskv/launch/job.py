@@ -148,15 +148,17 @@ class ProcessContext:
                     sink.write("".join(tag + line for line in lines))
                     sink.flush()
 
-    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None, min_workers: int = 0) -> int:
+    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None, min_workers: int = 0, replicas: int = 0) -> int:
         """Wait for the job; the launcher's exit status. The job succeeds when every main process
         exits 0 and every helper then exits by itself within ``finish_timeout``. The first process
         to fail stops all others, and its status is returned, unless it is a worker and at least
-        ``min_workers`` others remain (the job goes on without it); ``timeout`` stops the job with 124."""
+        ``min_workers`` others remain, or the first server lost with ``replicas`` (the job goes on
+        without it); ``timeout`` stops the job with 124."""
         started = time.monotonic()
         finished_at: Optional[float] = None
         next_sample = 0.0
         lost: list[Watched] = []
+        ended: Optional[float] = None  # when the scheduler exited 0 (with lost processes allowed)
         while True:
             if time.monotonic() >= next_sample:
                 for proc in self.procs:
@@ -170,6 +172,10 @@ class ProcessContext:
                 lost.append(failed[0])
                 self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; the job goes on with {workers - 1} workers (--min-workers {min_workers})", failed[0])
                 continue
+            if failed and failed[0].name.startswith("server ") and sum(p.name.startswith("server ") for p in lost) < replicas:
+                lost.append(failed[0])
+                self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; its backup serves its parts (--replicas {replicas})", failed[0])
+                continue
             if failed:
                 p, code = failed[0], failed[0].returncode or 0
                 self.stop_all()
@@ -177,6 +183,13 @@ class ProcessContext:
                 cause = f" ({first})" if first else ""
                 self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
                 return failure_status(first) if first else exit_status(code)
+            if (min_workers or replicas) and ended is None and any(p.name == "scheduler" and p.returncode == 0 for p, _ in self.watched):
+                ended = time.monotonic()  # it ends a job once every worker it counts finished
+            if ended is not None and time.monotonic() - ended > 5.0:  # what still runs was declared lost
+                left = [p.name for p, _ in self.watched if p.returncode is None]
+                self.stop_all()
+                self.report(f"the job finished; stopped {', '.join(left)}, declared lost earlier (stopped or cut off)")
+                return 0
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
             alive = [p.name for p, main in self.watched if not main and p.returncode is None]
@@ -316,8 +329,9 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     try:
         backend.start(ctx, start_scheduler(ctx, spec, backend) if here else None)
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
-        min_workers = int({**spec.environ, **spec.env}.get("PSKV_MIN_WORKERS") or 0)
-        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers)
+        env = {**spec.environ, **spec.env}
+        min_workers, replicas = int(env.get("PSKV_MIN_WORKERS") or 0), int(env.get("PSKV_REPLICAS") or 0) if spec.num_servers > 1 else 0
+        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas)
         return status
     except BaseException as exc:
         ctx.stop_all()

@@ -56,6 +56,8 @@ class WorkerClient(Node):
         self._lock = threading.RLock()
         self._thread: Optional[threading.Thread] = None
         self._stop = False
+        self.replicas = config.replicas()
+        self.lost_servers: set[int] = set()  # their parts are served by their backups (PSKV_REPLICAS)
 
     @property
     def num_workers(self) -> int:
@@ -82,7 +84,7 @@ class WorkerClient(Node):
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there
             self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in range(self.num_servers)])
-        want = shm.mode()
+        want = "0" if self.replicas else shm.mode()  # (a backup gets every push: over TCP)
         for s, info in enumerate(self.servers if want != "0" else []):
             try:
                 if not host_identity() or info.get("shm_host") != host_identity():
@@ -116,17 +118,58 @@ class WorkerClient(Node):
             self._transmit(f"{peer}/tx", msg, req)
         return handle
 
+    # -- replicas: each part also at the next server, which gets every push (docs/DESIGN.md) ----------
+
+    def holders(self, server: int) -> list[int]:
+        """The live servers that keep the parts placed on ``server``: it (or, once it is lost, its
+        backup), then its backup while both live (``PSKV_REPLICAS=1``)."""
+        backup = (server + 1) % self.num_servers
+        if server in self.lost_servers:
+            return [backup]
+        return [server, backup] if self.replicas and backup != server and backup not in self.lost_servers else [server]
+
+    def live_servers(self) -> list[int]:
+        return [s for s in range(self.num_servers) if s not in self.lost_servers]
+
+    def _failover(self, lost: int) -> None:
+        """Server ``lost`` is gone (the scheduler says its backup has every part of it): what was
+        queued for it, or sent and not answered, goes to the backup as pulls (it got the pushes)."""
+        with self._lock:
+            self.lost_servers.add(lost)
+            unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
+        rows = [(kind, row, frames, entry, False) for kind, (row, frames, entry, _) in unsent]
+        for req in self.tracker.take(f"server {lost}"):
+            rows += [(req.kind, row, frames, entry, True) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
+        for kind, row, frames, entry, counted in rows:
+            if (kind == Type.PUSH and not row[8]) or (kind == Type.PULL and row[6]):  # a push (its copy went to the backup), a mirror pull
+                if counted:
+                    entry[0]._settle()
+                continue
+            if counted:
+                entry[0]._left -= 1  # the request it joins counts it again
+            pull = (*row[:3], 0, row[4], row[5], 0) if kind == Type.PULL else (*row[:3], 0, 0, 0, 0)
+            self.queue(lost, Type.PULL, pull, frames if kind == Type.PULL else [], entry)
+        self.flush()
+
     def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None) -> None:
         """Add a part's ``row`` and payload ``frames`` to ``server``'s next ``kind`` (PUSH or PULL)
         message, for the call of ``entry``. Sent by :meth:`flush` (after the CUDA event ``ready``:
         the bytes are being copied from a GPU), or at once when the server's queued bytes reach
-        ``PSKV_BATCH_BYTES``."""
+        ``PSKV_BATCH_BYTES``. With a replica, a push goes to the part's backup too (acknowledged,
+        not answered), and so does a pull's rescale."""
         self._check_open()
         with self._lock:
-            self._pending.setdefault((server, kind), []).append((row, frames, entry, ready))
-            self._pending_bytes[server] = self._pending_bytes.get(server, 0) + nbytes
-            if self._pending_bytes[server] >= self._batch_bytes:
-                self.flush([server])
+            holders = self.holders(server)
+            for i, s in enumerate(holders):
+                if i:
+                    if kind == Type.PULL and not row[5]:
+                        break  # a pull without a rescale: the backup has nothing to learn from it
+                    row = (*row[:8], 0) if kind == Type.PUSH else (*row[:3], 0, row[4], row[5], 1)
+                    entry = (entry[0], None, None)  # acknowledged: nothing to copy
+                self._pending.setdefault((s, kind), []).append((row, frames, entry, ready))
+                self._pending_bytes[s] = self._pending_bytes.get(s, 0) + nbytes
+                if self._pending_bytes[s] >= self._batch_bytes:
+                    self.flush([s])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
         """Send the queued rows of ``servers`` (all by default), a PUSH then a PULL message each;
@@ -152,6 +195,7 @@ class WorkerClient(Node):
                 table = (PUSH if kind == Type.PUSH else PULL).pack([q[0] for q in batch])
                 msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
                 req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q[2] for q in batch])
+                req.rows = [(q[0], q[1]) for q in batch] if self.replicas else None  # sent again on a failover
                 if server in self.shm_servers:  # answers may be slots of its shared memory
                     pid = int(self.servers[server]["pid"])
                     req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
@@ -290,6 +334,8 @@ class WorkerClient(Node):
     def _control(self, msg: Message) -> None:
         if msg.type == Type.NODE_FAILED:
             self.tracker.fail_all(failure(msg))
+        elif msg.type == Type.SERVER_LOST:
+            self._failover(int((msg.meta or {})["rank"]))
         elif msg.type == Type.SHUTDOWN:
             self.tracker.fail_all(NodeFailedError("the scheduler shut the job down"))
         elif msg.type in (Type.OK, Type.ERROR, Type.DATA):

@@ -45,6 +45,7 @@ class Type(enum.IntEnum):
     WORKER_LEFT = 8  # meta: rank of a worker that finished
     NODE_FAILED = 9  # meta: role, rank, host, pid, reason
     SHUTDOWN = 10
+    SERVER_LOST = 11  # meta: rank of a server whose parts its backup (the next server) now serves
     # worker <-> server
     HELLO = 19  # meta: rank, answers (true on the connection the worker reads answers from)
     INIT = 20  # meta: mode, parts [[key, part, dtype, numel, row_numel, row_sparse, name]]; payload: values (rank 0)
@@ -101,8 +102,9 @@ PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset
 #: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
 #: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
 #: ids (int64, local to the part) come in the next row-id frame; ``rescale``: 0, or the bits of a
-#: float64 that scales the held round's gradient (:func:`float_bits`)
-PULL = Layout("PullRow", "key", "part", "round", "shm", "rows", "rescale")
+#: float64 that scales the held round's gradient (:func:`float_bits`); ``mirror`` 1: to the part's
+#: backup, which takes the rescale and acknowledges (docs/DESIGN.md, "A lost server")
+PULL = Layout("PullRow", "key", "part", "round", "shm", "rows", "rescale", "mirror")
 #: an answered entry of a batched request: ``entry`` is its row; ``fd`` >= 0: the value is at
 #: ``offset`` (``nbytes``) of the server's arena ``fd``; -1: in the next payload frame (DATA only)
 ANSWER = Layout("AnswerRow", "entry", "fd", "offset", "nbytes")

@@ -75,6 +75,7 @@ class PullEntry(NamedTuple):
     round: int
     rows: Optional[Tensor] = None  # int64 row ids local to the part, checked
     rescale: Optional[float] = None  # the rescale of a held round's update
+    mirror: bool = False  # the copy a backup gets: it brings the rescale, and is only acknowledged
 
 
 @dataclass(eq=False)
@@ -285,7 +286,9 @@ class Rounds:
             elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
             w = Waiting(req, i, e.round, e.rows)
-            if e.part.mode == "async" or e.round <= e.part.rounds:
+            if e.mirror:
+                out.append(Answer(req, i))
+            elif e.part.mode == "async" or e.round <= e.part.rounds:
                 out.append(self._answer(e.part, w))
             else:
                 e.part.pulls.append(w)

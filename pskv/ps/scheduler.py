@@ -55,7 +55,7 @@ class Scheduler:
         self.status: Optional[int] = None
         self.timeout = config.timeout()
         self.hb_timeout = config.heartbeat_timeout()
-        self.min_workers = config.min_workers()
+        self.min_workers, self.replicas = config.min_workers(), config.replicas()
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
@@ -265,6 +265,15 @@ class Scheduler:
         exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
         node.finished = True
         left = sum(not n.lost for n in self._members("worker")) - 1
+        servers_lost = sum(n.lost for n in self.nodes.values() if n.role == "server")
+        if node.role == "server" and self.started and servers_lost < self.replicas and self.env.num_servers > 1:
+            backup = (node.rank + 1) % self.env.num_servers
+            print(f"pskv scheduler: {exc}; server {backup}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})", file=sys.stderr, flush=True)
+            node.lost = True
+            self._broadcast(Message(Type.SERVER_LOST, meta={"rank": node.rank}), roles=("worker",))
+            for group in list(self.barriers):
+                self._release(group)
+            return None
         if node.role == "worker" and 0 < self.min_workers <= left and self.started:
             print(f"pskv scheduler: {exc}; the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})", file=sys.stderr, flush=True)
             node.lost = True  # no longer a member of anything: barriers and rounds go on without it

@@ -313,7 +313,7 @@ class Server(Node):
                 rescale = bits_float(row.rescale) if row.rescale else None
                 if rescale is not None and not math.isfinite(rescale):
                     raise ProtocolError(f"a pull with rescale {rescale}")
-                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale))
+                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale, bool(row.mirror)))
                 req.shm.append(bool(row.shm))
         return entries
 

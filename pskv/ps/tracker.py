@@ -77,7 +77,7 @@ Entry = tuple[Handle, Optional[Sink], Any]  # the call a row serves, where its a
 class Request:
     """One message in flight; ``entries`` are the calls its rows serve (None once answered)."""
 
-    __slots__ = ("deadline", "entries", "kind", "on_reply", "peer", "remaining", "req_id", "shared", "what")
+    __slots__ = ("deadline", "entries", "kind", "on_reply", "peer", "remaining", "req_id", "rows", "shared", "what")
 
     def __init__(self, req_id: int, kind: Type, what: str, peer: str, deadline: float, entries: list[Entry], on_reply: Optional[OnReply]):
         self.req_id, self.kind, self.what, self.peer, self.deadline = req_id, kind, what, peer, deadline
@@ -85,6 +85,7 @@ class Request:
         self.remaining = len(entries)
         self.on_reply = on_reply  # a whole-message request: runs with its answer
         self.shared: Optional[Callable[[Any, Any, Any], Any]] = None  # (ANSWER row, dtype, shape) -> a part in the server's shared memory
+        self.rows: Optional[list[tuple[Any, Any]]] = None  # a data request's (row, frames), kept to send again (replicas)
 
 
 class Tracker:
@@ -159,6 +160,14 @@ class Tracker:
         for entry in req.entries:
             if entry is not None:
                 entry[0]._settle(exc)
+
+    def take(self, peer: str) -> list[Request]:
+        """Remove the open requests to ``peer`` without settling their calls (they are sent elsewhere)."""
+        with self._lock:
+            taken = [r for r in self._open.values() if r.peer == peer]
+            for r in taken:
+                del self._open[r.req_id]
+        return taken
 
     def fail_all(self, exc: BaseException) -> None:
         """The job failed: ``exc`` becomes ``fatal`` (unless one came first); every request fails."""

@@ -440,3 +440,71 @@ def _is_worker_2_of(pid: int, parent: int) -> bool:
             return b"DMLC_WORKER_ID=2" in f.read().split(b"\0")
     except (OSError, ValueError, IndexError):
         return False
+
+
+REPLICATED = """
+import os, signal, sys, torch, pskv
+kill_at = int(sys.argv[1])
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(50, 400), torch.nn.ReLU(), torch.nn.Linear(400, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
+kv = pskv.kv.create("dist_sync")
+trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4}, kvstore=kv, overlap=True)
+kv.init(1000, torch.zeros(70000))  # cut over the servers; pushpull: pushes answered with the value
+g = torch.Generator().manual_seed(kv.rank)
+extra = torch.empty(70000)
+for step in range(24):
+    if step == kill_at and kv.rank == 0:
+        os.kill(kv._client.servers[1]["pid"], signal.SIGKILL)
+        print("killed server 1", flush=True)
+    x, y = torch.randn(32, 50, generator=g), torch.randint(0, 10, (32,), generator=g)
+    net.zero_grad()
+    torch.nn.functional.cross_entropy(net(x), y, reduction="sum").backward()
+    trainer.step(32)
+    kv.pushpull(1000, torch.randn(70000, generator=g), extra)
+trainer.synchronize()
+torch.save({**net.state_dict(), "extra": extra}, f"params.{kv.rank}.pt")
+kv.close()
+"""
+
+
+def test_replicas_a_killed_server_changes_no_result(tmp_path: Path) -> None:
+    """``--replicas 1``, 2 workers x 3 servers: server 1 killed (-9) in the middle of training (the
+    Trainer's overlapped held rounds, and pushpull). Its backup serves its parts, the workers send
+    it what server 1 had not answered, and the weights at the end equal, bit for bit, those of a
+    run without replicas or faults."""
+    import torch
+
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "cut").mkdir()
+    res = launch(tmp_path / "plain", REPLICATED, 2, 3, args=["-1"], timeout=120)
+    assert res.code == 0, res
+    res = launch(tmp_path / "cut", REPLICATED, 2, 3, args=["10"], launch_args=["--replicas", "1"], timeout=120)
+    assert res.code == 0 and "killed server 1" in res.stdout, res
+    assert "server 1 was killed by SIGKILL; its backup serves its parts (--replicas 1)" in res.stderr, res
+    assert "server 2, its backup, serves its parts (PSKV_REPLICAS=1)" in res.stderr, res
+    want = torch.load(tmp_path / "plain" / "params.0.pt")
+    for rank in (0, 1):
+        got = torch.load(tmp_path / "cut" / f"params.{rank}.pt")
+        assert all(torch.equal(want[k], got[k]) for k in want), [k for k in want if not torch.equal(want[k], got[k])]
+
+
+def test_min_workers_a_stopped_worker_is_declared_lost_and_left_behind(tmp_path: Path) -> None:
+    """A worker that stops (SIGSTOP: alive, silent) is declared lost at the heartbeat deadline; the
+    other finishes, and the launcher stops the stopped one and exits 0 instead of waiting for it."""
+    script = """
+    import os, signal, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(4))
+    out = torch.empty(4)
+    for step in range(6):
+        if kv.rank == 1 and step == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        kv.push("w", torch.ones(4))
+        kv.pull("w", out)
+    print("done", kv.rank, out[0].item(), flush=True)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 2, 1, launch_args=["--min-workers", "1"], env={"PSKV_HEARTBEAT_TIMEOUT": "3"}, timeout=90)
+    assert res.code == 0 and "done 0 1.0" in res.stdout, res
+    assert "worker 1 (host" in res.stderr and "no heartbeat" in res.stderr, res
+    assert "the job finished; stopped worker 1, declared lost earlier" in res.stderr, res

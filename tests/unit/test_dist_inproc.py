@@ -363,8 +363,8 @@ def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(
             init(numel=-5),
             encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "sgd", "hyper": {"learning_rate": "import os"}}})),
             encode(Message(Type.SET_OPTIMIZER, meta={"optimizer": {"name": "__import__"}})),
-            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 1, 0)]), tensor_frame(torch.tensor([99]))])),  # row out of range
-            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 3, 0, 0, 0)])])),  # a round never pushed
+            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 1, 0, 0)]), tensor_frame(torch.tensor([99]))])),  # row out of range
+            encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 3, 0, 0, 0, 0)])])),  # a round never pushed
             encode(Message(Type.SHUTDOWN)),
         ]
         for frames in cases:
@@ -372,7 +372,7 @@ def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(
             reply = decode(bad.recv_multipart())
             assert reply.type == Type.ERROR, frames
             assert (reply.meta or {}).get("kind") in ("ProtocolError", "KeyNotInitializedError", "OptimizerError"), reply.meta
-        stranger.send_multipart(encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 0, 0)])])))
+        stranger.send_multipart(encode(Message(Type.PULL, frames=[PULL.pack([(0, 0, 0, 0, 0, 0, 0)])])))
         assert "has not said HELLO" in (decode(stranger.recv_multipart()).meta or {})["message"]
         bad.close()
         stranger.close()

@@ -95,7 +95,7 @@ def generated(rng: random.Random) -> Message:
                     rng.randrange(2),
                 ]
             else:
-                row[:] = [row[0] % 8, row[1] % 2, rng.randrange(4), 0, rng.randrange(2), 0]
+                row[:] = [row[0] % 8, row[1] % 2, rng.randrange(4), 0, rng.randrange(2), 0, rng.randrange(2)]
         table = layout.pack(rows) if rng.random() < 0.9 else _frame(rng)
         payload = [
             _floats(rng, rng.choice([1, 4, 8])) if rng.random() < 0.5 else _frame(rng)
@@ -247,7 +247,7 @@ def test_a_server_takes_100000_generated_and_mutated_requests(monkeypatch: pytes
             f"v{rank}",
             Message(Type.PUSH, 3, None, [PUSH.pack([(key, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(grad)]),
         )
-    answer = off.send("v0", Message(Type.PULL, 4, None, [PULL.pack([(key, 0, 1, 0, 0, 0)])]))[-1]
+    answer = off.send("v0", Message(Type.PULL, 4, None, [PULL.pack([(key, 0, 1, 0, 0, 0, 0)])]))[-1]
     assert answer.type == Type.DATA, answer.meta
     value = torch.frombuffer(bytearray(bytes(answer.frames[-1])), dtype=torch.float32)
     assert torch.equal(value, init - 1.0 * (1.0 + 2.0))

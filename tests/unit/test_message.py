@@ -50,12 +50,12 @@ def test_layouts_name_their_columns() -> None:
     assert [tuple(r) for r in back] == rows
     assert (back[1].key, back[1].round, back[1].kind, back[1].frames, back[1].fd, back[1].offset) == (4, 9, 2, 3, 5, 4096)
     assert (back[1].held, back[1].reply) == (1, 1)
-    pull = PULL.unpack(PULL.pack([(7, 0, 1, 1, 0, float_bits(0.03125))]))[0]
-    assert pull.shm == 1 and bits_float(pull.rescale) == 0.03125 and float_bits(0.0) == 0
+    pull = PULL.unpack(PULL.pack([(7, 0, 1, 1, 0, float_bits(0.03125), 1)]))[0]
+    assert pull.shm == 1 and bits_float(pull.rescale) == 0.03125 and float_bits(0.0) == 0 and pull.mirror == 1
     assert ANSWER.unpack(ANSWER.pack([(0, -1, 0, 16)]))[0].nbytes == 16
-    with pytest.raises(ValueError, match="PullRow row has 6 columns"):
+    with pytest.raises(ValueError, match="PullRow row has 7 columns"):
         PULL.pack([(1, 2)])
-    with pytest.raises(ProtocolError, match="not rows of 6 int64"):
+    with pytest.raises(ProtocolError, match="not rows of 7 int64"):
         PULL.unpack(b"\x00" * 24)
 
 

@@ -230,3 +230,46 @@ def test_a_held_round_waits_for_the_rescale_a_pull_brings() -> None:
     push(r, 0, 2, 1.0)  # an ordinary round after it: applied at once, with the optimizer's own rescale
     push(r, 1, 2, 1.0)
     assert p.rounds == 2 and torch.allclose(p.value, torch.full((4, 1), 0.25 - 0.25 * 2))
+
+
+def test_a_lost_worker_leaves_its_rounds_to_the_others() -> None:
+    """``lose`` (PSKV_MIN_WORKERS): the lost worker's unmerged push is dropped, a waiting round
+    completes with the others' pushes, later rounds need only them, and the lost worker is refused."""
+    r = made(3)
+    p = r.part(0, 0)
+    push(r, 2, 1, 5.0)  # worker 2's push of round 1, then it is lost before the round merges
+    push(r, 0, 1, 1.0)
+    assert r.pull("pull 0", 0, [PullEntry(p, 1)]) == []
+    got = r.lose(2)
+    assert p.rounds == 0 and got == []  # worker 1 has not pushed round 1 yet
+    got = push(r, 1, 1, 2.0)
+    assert ("pull 0", 0) in answered(got) and p.rounds == 1 and torch.all(p.value == 3.0)  # 1 + 2, not 5
+    push(r, 0, 2, 1.0)
+    assert answered(r.lose(1)) == [] and p.rounds == 2 and torch.all(p.value == 1.0)  # round 2: worker 0 alone
+    with pytest.raises(NodeFailedError, match="worker 2 was declared lost"):
+        push(r, 2, 2, 1.0)
+
+
+def test_a_rescale_that_comes_before_its_round_merges_is_kept_for_it() -> None:
+    """A pull that brings the rescale of a round not merged yet leaves it on the part: when the
+    last push arrives (and its pusher never pulls, e.g. it was lost), the round is applied."""
+    r = made(2)
+    p = r.part(0, 0)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0).describe(), keep_states=False)
+    r.push("push 0", 0, [PushEntry(p, 1, torch.full((4, 1), 1.0), False, held=True)])
+    assert r.pull("step 0", 0, [PullEntry(p, 1, rescale=0.5)]) == []
+    got = r.push("push 1", 1, [PushEntry(p, 1, torch.full((4, 1), 2.0), False, held=True)])
+    assert ("step 0", 0) in answered(got) and p.rounds == 1 and p.held is None
+    assert torch.all(p.value == 1 - 0.5 * 3)
+
+
+def test_a_mirror_pull_brings_the_rescale_and_is_only_acknowledged() -> None:
+    """A backup (PSKV_REPLICAS) gets every push and, from each pull with a rescale, a mirror row:
+    it applies the held round as the primary does and answers with an acknowledgement, no value."""
+    r = made(2)
+    p = r.part(0, 0)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0).describe(), keep_states=False)
+    for rank in range(2):
+        r.push(f"push {rank}", rank, [PushEntry(p, 1, torch.full((4, 1), rank + 1.0), False, held=True)])
+    (a,) = r.pull("mirror", 0, [PullEntry(p, 1, rescale=0.25, mirror=True)])
+    assert (a.req, a.value) == ("mirror", None) and p.rounds == 1 and torch.all(p.value == 1 - 0.25 * 3)

@@ -55,7 +55,7 @@ def _forgeries() -> list[list[Any]]:
         encode(Message(Type.HELLO, 1, {"rank": 1, "answers": True})),
         encode(Message(Type.PUSH, 2, None, [PUSH.pack([(0, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(torch.full((8,), 1000.0))])),
         encode(Message(Type.SET_OPTIMIZER, 3, {"optimizer": sgd, "keep_states": False})),
-        encode(Message(Type.PULL, 4, None, [PULL.pack([(0, 0, 0, 0, 0, 0)])])),
+        encode(Message(Type.PULL, 4, None, [PULL.pack([(0, 0, 0, 0, 0, 0, 0)])])),
         encode(Message(Type.GET_STATES, 5)),
         encode(Message(Type.INIT, 6, {"mode": "sync", "parts": parts}, [b"\x00" * 4])),
         encode(Message(Type.REGISTER, 7, {"role": "worker", "id": 1, "endpoint": None, "host": "evil", "pid": 1})),
