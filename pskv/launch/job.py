@@ -106,6 +106,8 @@ class ProcessContext:
         # every process gets the read end; when this launcher dies (even by SIGKILL) the pipe ends,
         # and every pskv process of the job stops with an error (PSKV_LIFELINE, docs/DESIGN.md)
         self.lifeline, self._lifeline_w = os.pipe()
+        self.started_fd = -1  # where the scheduler says the job started (start_scheduler)
+        self.started = False
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -166,13 +168,16 @@ class ProcessContext:
                 next_sample = time.monotonic() + 0.25
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
+            if not self.started and self.started_fd >= 0 and select.select([self.started_fd], [], [], 0)[0]:
+                self.started = b"started" in os.read(self.started_fd, 64)  # (or EOF: it exited)
             failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
+            # a lost worker or server is let go only once the job started (before, nothing can take over)
             workers = sum(p.name.startswith("worker ") and p not in lost for p, main in self.watched if main)
-            if failed and failed[0].name.startswith("worker ") and 0 < min_workers < workers:
+            if failed and self.started and failed[0].name.startswith("worker ") and 0 < min_workers < workers:
                 lost.append(failed[0])
                 self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; the job goes on with {workers - 1} workers (--min-workers {min_workers})", failed[0])
                 continue
-            if failed and failed[0].name.startswith("server ") and sum(p.name.startswith("server ") for p in lost) < replicas:
+            if failed and self.started and failed[0].name.startswith("server ") and sum(p.name.startswith("server ") for p in lost) < replicas:
                 lost.append(failed[0])
                 self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; its backup serves its parts (--replicas {replicas})", failed[0])
                 continue
@@ -341,8 +346,9 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-        for fd in (ctx.lifeline, ctx._lifeline_w):
-            os.close(fd)
+        for fd in (ctx.lifeline, ctx._lifeline_w, ctx.started_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
         backend.close(status)
 
 
@@ -364,8 +370,10 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int
         if not select.select([read_fd], [], [], timeout)[0]:
             raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
         data = os.read(read_fd, 64)  # one small write: the whole line, or EOF
-    finally:
+    except BaseException:
         os.close(read_fd)
+        raise
+    ctx.started_fd = read_fd  # "started" comes next, once every node registered
     if not data.strip():  # it closed the pipe without a port: it failed to start
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=5)

@@ -139,6 +139,10 @@ class WorkerClient(Node):
             unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
         rows = [(kind, row, frames, entry, False) for kind, (row, frames, entry, _) in unsent]
         for req in self.tracker.take(f"server {lost}"):
+            if req.rows is None:  # a whole message (HELLO, INIT, SET_STATES...): the backup got its own
+                for entry in req.entries:
+                    if entry is not None:
+                        entry[0]._settle()
             rows += [(req.kind, row, frames, entry, True) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
         for kind, row, frames, entry, counted in rows:
             if (kind == Type.PUSH and not row[8]) or (kind == Type.PULL and row[6]):  # a push (its copy went to the backup), a mirror pull

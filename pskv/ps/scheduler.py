@@ -3,11 +3,12 @@ messages only, never torch (docs/DESIGN.md, "Processes" and "Never a silent hang
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import IO, Any, Optional
 
 from .. import config
 from ..errors import ClusterError, deadline, describe_node, finished_without, node_failed
@@ -56,6 +57,7 @@ class Scheduler:
         self.timeout = config.timeout()
         self.hb_timeout = config.heartbeat_timeout()
         self.min_workers, self.replicas = config.min_workers(), config.replicas()
+        self._pipe: Optional[IO[str]] = None  # to pskv launch (PSKV_PORT_FD)
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
@@ -107,11 +109,21 @@ class Scheduler:
         return self.status
 
     def _report_port(self, bound: str) -> None:
-        """Tell ``pskv launch`` the port we got (it passes a pipe in ``PSKV_PORT_FD``)."""
+        """Tell ``pskv launch`` the port we got (it passes a pipe in ``PSKV_PORT_FD``); later, that
+        the job started (from then on it may go on without a lost node: ``--replicas``, ``--min-workers``)."""
         fd = os.environ.get("PSKV_PORT_FD")
         if fd and not self.env.inproc:
-            with os.fdopen(int(fd), "w") as pipe:
-                pipe.write(bound.rsplit(":", 1)[1] + "\n")
+            self._pipe = os.fdopen(int(fd), "w")
+            self._tell(bound.rsplit(":", 1)[1])
+
+    def _tell(self, line: str, last: bool = False) -> None:
+        if self._pipe is not None:
+            with contextlib.suppress(OSError):  # the launcher is gone: its lifeline tells us too
+                self._pipe.write(line + "\n")
+                self._pipe.flush()
+                if last:
+                    self._pipe.close()
+            self._pipe = None if last else self._pipe
 
     def _handle(self, peer: str, msg: Message) -> None:
         node = self.nodes.get(peer)
@@ -169,6 +181,7 @@ class Scheduler:
             n.last_seen = time.monotonic()
             self._send(n, Message(Type.NODES, meta={"rank": n.rank, **table}))
         self.started = True
+        self._tell("started", last=True)
         say("scheduler", "all nodes registered; job started")
 
     def _fail_start(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -389,6 +390,10 @@ def test_min_workers_the_job_goes_on_without_a_killed_worker(tmp_path: Path) -> 
     assert "worker 2 (host" in res.stderr and "the job goes on with 2 workers (PSKV_MIN_WORKERS=2)" in res.stderr, res
     res = launch(tmp_path, script, 3, 2, launch_args=["--min-workers", "3"], timeout=60)
     assert res.code == 2 and "--min-workers 3: it must be at least 1 and less than -n 3" in res.stderr, res
+    early = "import os\nif os.environ['DMLC_WORKER_ID'] == '2':\n    raise SystemExit(3)\n" + textwrap.dedent(script)  # before the job starts
+    res = launch(tmp_path, early, 3, 2, launch_args=["--min-workers", "2"], timeout=60)
+    assert res.code == 3 and "worker 2 exited with status 3; stopped the other processes" in res.stderr, res
+    assert res.seconds < 30, "not at the start deadline: nothing could go on without it before the job started"
 
 
 def test_min_workers_pskv_train_finishes_without_a_killed_worker(tmp_path: Path) -> None:
