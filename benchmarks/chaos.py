@@ -177,7 +177,7 @@ def main() -> int:
             print(f"run {i + 1:3d}: {fault[1]:4s} {fault[0]:9s} at {fault[2]:4.1f} s -> {outcome} (exit {run['code']}{when})", flush=True)
             rows.append({"victim": fault[0], "fault": fault[1], "at_s": round(fault[2], 2), "outcome": outcome,
                          "exit": run["code"], "ended_after_fault_s": run["after_fault_s"],
-                         "stderr_tail": str(run["stderr"])[-600:] if outcome not in ("clear error", "same result") else ""})  # fmt: skip
+                         "stderr_tail": str(run["stderr"])[-600:] if outcome != "same result" else ""})  # fmt: skip
     table = collections.Counter((r["fault"], str(r["victim"]).split()[0], r["outcome"]) for r in rows)
     print("\n| fault | victim | outcome | runs |\n|---|---|---|---|")
     for (fault_kind, victim, result), n in sorted(table.items()):
