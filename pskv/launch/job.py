@@ -159,8 +159,7 @@ class ProcessContext:
         started = time.monotonic()
         finished_at: Optional[float] = None
         next_sample = 0.0
-        lost: list[Watched] = []
-        ended: Optional[float] = None  # when the scheduler exited 0 (with lost processes allowed)
+        lost: list[Watched] = []  # declared lost: the job goes on without them
         while True:
             if time.monotonic() >= next_sample:
                 for proc in self.procs:
@@ -168,8 +167,7 @@ class ProcessContext:
                 next_sample = time.monotonic() + 0.25
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
-            if not self.started and self.started_fd >= 0 and select.select([self.started_fd], [], [], 0)[0]:
-                self.started = b"started" in os.read(self.started_fd, 64)  # (or EOF: it exited)
+            self._hear(lost)
             failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
             # a lost worker or server is let go only once the job started (before, nothing can take over)
             workers = sum(p.name.startswith("worker ") and p not in lost for p, main in self.watched if main)
@@ -188,17 +186,14 @@ class ProcessContext:
                 cause = f" ({first})" if first else ""
                 self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
                 return failure_status(first) if first else exit_status(code)
-            if (min_workers or replicas) and ended is None and any(p.name == "scheduler" and p.returncode == 0 for p, _ in self.watched):
-                ended = time.monotonic()  # it ends a job once every worker it counts finished
-            if ended is not None and time.monotonic() - ended > 5.0:  # what still runs was declared lost
-                left = [p.name for p, _ in self.watched if p.returncode is None]
-                self.stop_all()
-                self.report(f"the job finished; stopped {', '.join(left)}, declared lost earlier (stopped or cut off)")
-                return 0
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
-            alive = [p.name for p, main in self.watched if not main and p.returncode is None]
+            alive = [p.name for p, main in self.watched if not main and p.returncode is None and p not in lost]
             if finished_at is not None and not alive:
+                left = [p.name for p in lost if p.returncode is None]
+                if left:  # stopped, or cut off: the scheduler declared them lost and the job went on
+                    self.stop_all()
+                    self.report(f"the job finished; stopped {', '.join(left)}, declared lost earlier")
                 self._drain()
                 return 0
             if finished_at is not None and time.monotonic() - finished_at > finish_timeout:
@@ -210,6 +205,17 @@ class ProcessContext:
                 self.report(f"the job ran past its time limit of {timeout:g} s; stopped it")
                 return 124
             time.sleep(0.05)
+
+    def _hear(self, lost: list[Watched]) -> None:
+        """What the scheduler says on its pipe: ``started``, ``lost <role> <rank>`` (the job goes on)."""
+        while self.started_fd >= 0 and select.select([self.started_fd], [], [], 0)[0]:
+            data = os.read(self.started_fd, 4096)
+            if not data:  # it exited
+                os.close(self.started_fd)
+                self.started_fd = -1
+            for line in data.decode(errors="replace").split("\n"):
+                self.started = self.started or line == "started"
+                lost += [p for p, _ in self.watched if line == f"lost {p.name}" and p not in lost]
 
     def stop_all(self) -> None:
         """Stop every process still running: EOF on its stdin pipe if it has one, else SIGTERM to

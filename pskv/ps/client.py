@@ -83,7 +83,7 @@ class WorkerClient(Node):
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there
-            self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in range(self.num_servers)])
+            self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in self.live_servers()])
         want = "0" if self.replicas else shm.mode()  # (a backup gets every push: over TCP)
         for s, info in enumerate(self.servers if want != "0" else []):
             try:
@@ -144,16 +144,15 @@ class WorkerClient(Node):
                     if entry is not None:
                         entry[0]._settle()
             rows += [(req.kind, row, frames, entry, True) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
-        for kind, row, frames, entry, counted in rows:
+        counted = [entry for kind, row, frames, entry, was in rows if was]
+        for kind, row, frames, entry, _ in rows:
             if (kind == Type.PUSH and not row[8]) or (kind == Type.PULL and row[6]):  # a push (its copy went to the backup), a mirror pull
-                if counted:
-                    entry[0]._settle()
                 continue
-            if counted:
-                entry[0]._left -= 1  # the request it joins counts it again
             pull = (*row[:3], 0, row[4], row[5], 0) if kind == Type.PULL else (*row[:3], 0, 0, 0, 0)
             self.queue(lost, Type.PULL, pull, frames if kind == Type.PULL else [], entry)
-        self.flush()
+        self.flush()  # the requests these rows join count them; then the old ones are let go
+        for entry in counted:
+            entry[0]._settle()
 
     def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None) -> None:
         """Add a part's ``row`` and payload ``frames`` to ``server``'s next ``kind`` (PUSH or PULL)

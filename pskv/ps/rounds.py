@@ -330,6 +330,8 @@ class Rounds:
 
     def finish(self, rank: int) -> list[Answer]:
         """Worker ``rank`` closed its store: fail every round that still needs it."""
+        if rank not in self.workers:  # lost earlier: no round needs it
+            return []
         self.finished.add(rank)
         return [a for p in self.parts.values() for a in self._fail_blocked(p)]
 

@@ -116,14 +116,11 @@ class Scheduler:
             self._pipe = os.fdopen(int(fd), "w")
             self._tell(bound.rsplit(":", 1)[1])
 
-    def _tell(self, line: str, last: bool = False) -> None:
+    def _tell(self, line: str) -> None:
         if self._pipe is not None:
             with contextlib.suppress(OSError):  # the launcher is gone: its lifeline tells us too
                 self._pipe.write(line + "\n")
                 self._pipe.flush()
-                if last:
-                    self._pipe.close()
-            self._pipe = None if last else self._pipe
 
     def _handle(self, peer: str, msg: Message) -> None:
         node = self.nodes.get(peer)
@@ -181,7 +178,7 @@ class Scheduler:
             n.last_seen = time.monotonic()
             self._send(n, Message(Type.NODES, meta={"rank": n.rank, **table}))
         self.started = True
-        self._tell("started", last=True)
+        self._tell("started")
         say("scheduler", "all nodes registered; job started")
 
     def _fail_start(self) -> None:
@@ -244,6 +241,8 @@ class Scheduler:
         node.finished = True
         self._send(node, msg.reply(Type.OK))
         say("scheduler", f"{node} finished")
+        if node.lost:  # declared lost earlier, and back: the rounds went on without it already
+            return
         self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
         for group in list(self.barriers):
             if node in self._members(group):
@@ -283,6 +282,7 @@ class Scheduler:
             backup = (node.rank + 1) % self.env.num_servers
             print(f"pskv scheduler: {exc}; server {backup}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})", file=sys.stderr, flush=True)
             node.lost = True
+            self._tell(f"lost server {node.rank}")
             self._broadcast(Message(Type.SERVER_LOST, meta={"rank": node.rank}), roles=("worker",))
             for group in list(self.barriers):
                 self._release(group)
@@ -290,6 +290,7 @@ class Scheduler:
         if node.role == "worker" and 0 < self.min_workers <= left and self.started:
             print(f"pskv scheduler: {exc}; the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})", file=sys.stderr, flush=True)
             node.lost = True  # no longer a member of anything: barriers and rounds go on without it
+            self._tell(f"lost worker {node.rank}")
             self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank, "lost": True}), roles=("server",))
             for group in list(self.barriers):
                 self._release(group)

@@ -513,3 +513,19 @@ def test_min_workers_a_stopped_worker_is_declared_lost_and_left_behind(tmp_path:
     assert res.code == 0 and "done 0 1.0" in res.stdout, res
     assert "worker 1 (host" in res.stderr and "no heartbeat" in res.stderr, res
     assert "the job finished; stopped worker 1, declared lost earlier" in res.stderr, res
+
+
+def test_replicas_work_after_close_is_not_cut_short(tmp_path: Path) -> None:
+    """With ``--replicas 1`` (or ``--min-workers``) the launcher stops only processes the scheduler
+    declared lost: a worker still busy after ``kv.close()`` (saving, evaluating) finishes."""
+    script = """
+    import time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(10))
+    kv.push("w", torch.ones(10))
+    kv.close()
+    time.sleep(7)
+    print("saved", kv.rank, flush=True)
+    """
+    res = launch(tmp_path, script, 2, 2, launch_args=["--replicas", "1", "--min-workers", "1"], timeout=90)
+    assert res.code == 0 and "saved 0" in res.stdout and "saved 1" in res.stdout, res

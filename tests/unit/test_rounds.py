@@ -248,6 +248,7 @@ def test_a_lost_worker_leaves_its_rounds_to_the_others() -> None:
     assert answered(r.lose(1)) == [] and p.rounds == 2 and torch.all(p.value == 1.0)  # round 2: worker 0 alone
     with pytest.raises(NodeFailedError, match="worker 2 was declared lost"):
         push(r, 2, 2, 1.0)
+    assert r.finish(2) == [] and 2 not in r.finished  # closing its store later blocks no round
 
 
 def test_a_rescale_that_comes_before_its_round_merges_is_kept_for_it() -> None:
