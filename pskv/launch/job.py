@@ -76,6 +76,15 @@ class Done:
     tail: list[str]
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (Linux: state T in /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 def failure_status(line: str) -> int:
     """The exit status that a guard's failure line reports (1 if none)."""
     found = re.findall(r"(exited with status|was killed by signal) (\d+)", line)
@@ -188,6 +197,12 @@ class ProcessContext:
                 return failure_status(first) if first else exit_status(code)
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
+            if any(p.name == "scheduler" and p.returncode == 0 for p in self.procs):  # the job is done
+                frozen = [p.name for p in self.procs if p.returncode is None and p not in lost and _stopped(p.popen.pid)]
+                if frozen:  # a stopped process can do no more work: waiting for it would never end
+                    self.stop_all()
+                    self.report(f"the job finished, but {', '.join(frozen)} is stopped (SIGSTOP?) and did not exit; stopped it")
+                    return 1
             alive = [p.name for p, main in self.watched if not main and p.returncode is None and p not in lost]
             if finished_at is not None and not alive:
                 left = [p.name for p in lost if p.returncode is None]
