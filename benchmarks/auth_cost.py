@@ -20,13 +20,14 @@ from pathlib import Path
 from pskv.launch.local import launch_local
 
 
-def one_run(secret: bool, shm: str, rounds: int) -> float:
-    """The median round (the slowest worker's time each round) of one job, in seconds."""
-    with tempfile.TemporaryDirectory(prefix="pskv-auth-") as tmp:
+def bench_round(env: dict[str, str], rounds: int, secret: bool = True) -> float:
+    """The median round (the slowest worker's time each round) of one 2 x 2 `pskv bench` job with
+    ``env``, in seconds (also used by replication_cost.py)."""
+    with tempfile.TemporaryDirectory(prefix="pskv-bench-") as tmp:
         out = Path(tmp) / "result.json"
         command = [sys.executable, "-m", "pskv", "bench", "--rounds", str(rounds), "--worker", "pskv", "--out", str(out)]
-        if launch_local(2, 2, command, extra_env={"PSKV_SHM": shm}, quiet=True, secret=secret) != 0:
-            raise SystemExit(f"the job (secret={secret}, PSKV_SHM={shm}) failed")
+        if launch_local(2, 2, command, extra_env=env, quiet=True, secret=secret) != 0:
+            raise SystemExit(f"the job ({env}, secret={secret}) failed")
         workers = json.loads(out.read_text())
     return statistics.median(max(w["seconds"][i] for w in workers) for i in range(rounds))
 
@@ -42,7 +43,7 @@ def main() -> None:
         for shm, path in (("1", "shared memory"), ("0", "TCP")):
             for secret in (True, False) if trial % 2 == 0 else (False, True):  # alternate which goes first
                 name = f"{path}, {'with' if secret else 'without'} a secret"
-                times.setdefault(name, []).append(one_run(secret, shm, args.rounds))
+                times.setdefault(name, []).append(bench_round({"PSKV_SHM": shm}, args.rounds, secret))
                 print(f"trial {trial}: {name}: {times[name][-1]:.4f} s", flush=True)
     print("\n| path | with a secret | without | ratio |\n|---|---|---|---|")
     rows = {}

@@ -15,24 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-import tempfile
 from pathlib import Path
 
-from pskv.launch.local import launch_local
+from auth_cost import bench_round  # (this directory is on sys.path when a script here runs)
 
 SETUPS = {"R=0, shared memory": {"PSKV_SHM": "1"}, "R=0, TCP": {"PSKV_SHM": "0"}, "R=1 (TCP)": {"PSKV_REPLICAS": "1"}}
-
-
-def one_run(env: dict[str, str], rounds: int) -> float:
-    """The median round (the slowest worker's time each round) of one job, in seconds."""
-    with tempfile.TemporaryDirectory(prefix="pskv-replicas-") as tmp:
-        out = Path(tmp) / "result.json"
-        command = [sys.executable, "-m", "pskv", "bench", "--rounds", str(rounds), "--worker", "pskv", "--out", str(out)]
-        if launch_local(2, 2, command, extra_env=env, quiet=True) != 0:
-            raise SystemExit(f"the job ({env}) failed")
-        workers = json.loads(out.read_text())
-    return statistics.median(max(w["seconds"][i] for w in workers) for i in range(rounds))
 
 
 def main() -> None:
@@ -44,7 +31,7 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in SETUPS}
     for trial in range(args.trials):
         for name in list(SETUPS) if trial % 2 == 0 else list(SETUPS)[::-1]:  # alternate which goes first
-            times[name].append(one_run(SETUPS[name], args.rounds))
+            times[name].append(bench_round(SETUPS[name], args.rounds))
             print(f"trial {trial}: {name}: {times[name][-1]:.4f} s", flush=True)
     medians = {name: statistics.median(t) for name, t in times.items()}
     print("\n| job | round (median) | R=1 / this |\n|---|---|---|")

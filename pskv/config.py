@@ -62,6 +62,7 @@ start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0)
 heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0)
 verbose = partial(getenv, "PSKV_VERBOSE", False)
 min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0)
+server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2)), least=1)
 
 
 def replicas() -> int:
@@ -69,7 +70,6 @@ def replicas() -> int:
     if value not in (0, 1):
         raise ValueError(f"PSKV_REPLICAS={value}: pskv keeps 0 or 1 replica of each part")
     return value
-server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2)), least=1)
 
 
 def chunk_bytes(across_hosts: bool) -> int:

@@ -180,13 +180,13 @@ class ProcessContext:
             failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
             # a lost worker or server is let go only once the job started (before, nothing can take over)
             workers = sum(p.name.startswith("worker ") and p not in lost for p, main in self.watched if main)
-            if failed and self.started and failed[0].name.startswith("worker ") and 0 < min_workers < workers:
+            spare = {
+                "worker": 0 < min_workers < workers and f"the job goes on with {workers - 1} workers (--min-workers {min_workers})",
+                "server": sum(p.name.startswith("server ") for p in lost) < replicas and f"its backup serves its parts (--replicas {replicas})",
+            }  # fmt: skip
+            if failed and self.started and (note := spare.get(failed[0].name.split(" ")[0])):
                 lost.append(failed[0])
-                self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; the job goes on with {workers - 1} workers (--min-workers {min_workers})", failed[0])
-                continue
-            if failed and self.started and failed[0].name.startswith("server ") and sum(p.name.startswith("server ") for p in lost) < replicas:
-                lost.append(failed[0])
-                self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; its backup serves its parts (--replicas {replicas})", failed[0])
+                self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; {note}", failed[0])
                 continue
             if failed:
                 p, code = failed[0], failed[0].returncode or 0

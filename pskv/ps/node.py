@@ -234,7 +234,6 @@ class Node:
                 f"(PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}); it is presumed dead"
             )
 
-
     def lost(self, peer: str) -> NodeFailedError:
         """The error for the end of a watched connection (the scheduler's) or of the launcher's lifeline."""
         if peer != "scheduler":

@@ -272,29 +272,27 @@ class Scheduler:
         elif node is not None and self.started:
             node.closed = time.monotonic()
 
+    def _go_on_without(self, node: _Node, text: str, notice: Message, role: str) -> None:
+        """The job goes on without ``node``: it is a member of nothing now; ``notice`` tells the ``role``s."""
+        print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
+        node.lost = True
+        self._tell(f"lost {node.role} {node.rank}")  # pskv launch lets its process go
+        self._broadcast(notice, roles=(role,))
+        for group in list(self.barriers):
+            self._release(group)
+        self._shutdown_when_done()
+
     def _lost(self, node: _Node, reason: str) -> None:
         """Tell every node that ``node`` failed, and end the job."""
         exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
         node.finished = True
-        left = sum(not n.lost for n in self._members("worker")) - 1
-        servers_lost = sum(n.lost for n in self.nodes.values() if n.role == "server")
-        if node.role == "server" and self.started and servers_lost < self.replicas and self.env.num_servers > 1:
-            backup = (node.rank + 1) % self.env.num_servers
-            print(f"pskv scheduler: {exc}; server {backup}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})", file=sys.stderr, flush=True)
-            node.lost = True
-            self._tell(f"lost server {node.rank}")
-            self._broadcast(Message(Type.SERVER_LOST, meta={"rank": node.rank}), roles=("worker",))
-            for group in list(self.barriers):
-                self._release(group)
-            return None
-        if node.role == "worker" and 0 < self.min_workers <= left and self.started:
-            print(f"pskv scheduler: {exc}; the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})", file=sys.stderr, flush=True)
-            node.lost = True  # no longer a member of anything: barriers and rounds go on without it
-            self._tell(f"lost worker {node.rank}")
-            self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank, "lost": True}), roles=("server",))
-            for group in list(self.barriers):
-                self._release(group)
-            return self._shutdown_when_done()
+        left = len(self._members(node.role)) - 1  # (lost nodes are members of nothing)
+        if self.started and node.role == "server" and left > 0 and self.env.num_servers - left <= self.replicas:  # lost, this one too: at most R
+            note = f"server {(node.rank + 1) % self.env.num_servers}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})"
+            return self._go_on_without(node, f"{exc}; {note}", Message(Type.SERVER_LOST, meta={"rank": node.rank}), "worker")
+        if self.started and node.role == "worker" and 0 < self.min_workers <= left:
+            note = f"the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})"
+            return self._go_on_without(node, f"{exc}; {note}", Message(Type.WORKER_LEFT, meta={"rank": node.rank, "lost": True}), "server")
         print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}) if self.started else error_reply(None, exc))
         self.status = 1
