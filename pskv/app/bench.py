@@ -122,10 +122,9 @@ def report(args: argparse.Namespace, shapes: Shapes, runs: dict[str, dict[str, A
     nbytes = sum(math.prod(s) for s in shapes) * 4
     what = f"{args.model} payload" if args.size_mb is None else f"{args.size_mb:g} MB array"
     shm = all(w["shm"] for w in runs["pskv"]["workers"])
-    print(
-        f"pskv bench: {what}, {len(shapes)} arrays, {nbytes / 1e6:.1f} MB, {args.num_workers} workers x "
-        f"{args.num_servers} servers, {args.kv_store} ({'shared memory' if shm else 'TCP'}), {args.rounds} rounds"
-    )
+    print(f"pskv bench: {what}, {len(shapes)} arrays, {nbytes / 1e6:.1f} MB, {args.num_workers} workers x "
+          f"{args.num_servers} servers, {args.kv_store} ({'shared memory' if shm else 'TCP'}), "
+          f"{args.rounds} rounds")
     print(f"{'':18}{'median round':>14}{'p10':>10}{'p90':>10}{'GB/s per worker':>18}")
     result: dict[str, Any] = {
         "workers": args.num_workers, "servers": args.num_servers, "bytes": nbytes, "arrays": len(shapes),

@@ -4,13 +4,7 @@ Data sets (scikit-learn's bundled digits: the demo's, no download; CIFAR-10 in e
 format; the d2l tutorial's Kaggle folder layout or class folders; synthetic) are image tensors. A
 :class:`BatchTransform` augments and normalises whole batches, and :func:`batches` indexes the image
 tensor directly (a ``DataLoader`` collates 32x32 images one by one, slower than a small CPU loads them).
-
->>> train = get_dataset("digits", train=True)
->>> sampler = pskv.data.SplitSampler(len(train), num_parts=2, part_index=rank, seed=0)
->>> train_tf, _ = transforms_for("digits")
->>> for x, y in batches(train, sampler, 32, train_tf, generator):  # x: float N x 3 x 32 x 32
-...     ...
-"""
+The README's ``train.py`` shows them used together."""
 
 from __future__ import annotations
 
@@ -90,12 +84,10 @@ def _digits_arrays() -> Arrays:
 
 def load_digits(train: bool = True, image_size: int = 32) -> ArrayDataset:
     """scikit-learn's handwritten digits (8x8, 17 grey levels, 10 classes) upscaled bilinearly to
-    ``image_size``, grey in 3 channels. The split is stratified (20% test, seed 0): 1438 / 359 images.
-    """
+    ``image_size``, grey in 3 channels. The split is stratified (20% test, seed 0): 1438 / 359 images."""
     pixels, targets = _digits_arrays()
     labels = torch.as_tensor(targets, dtype=torch.int64)
-    train_idx, test_idx = _split_indices(labels, test_fraction=0.2, seed=0)
-    idx = train_idx if train else test_idx
+    idx = _split_indices(labels, test_fraction=0.2, seed=0)[0 if train else 1]
     grey = torch.as_tensor(pixels, dtype=torch.float32)[idx].reshape(-1, 1, 8, 8) * (255.0 / 16.0)
     images = _to_images(grey.expand(-1, 3, -1, -1), image_size)
     return ArrayDataset(images, labels[idx], [str(i) for i in range(10)])
@@ -131,17 +123,15 @@ def _numpy_globals() -> dict[tuple[str, str], Any]:
 
 
 class _ArrayUnpickler(pickle.Unpickler):
-    """Rebuilds numpy arrays, lists, dicts, strings and numbers, and nothing else: ``find_class``
-    refuses every global outside a short numpy allow-list, so a hostile file cannot name a callable
-    (``os.system``, ``builtins.eval``, ...) to run."""
+    """Rebuilds numpy arrays, lists, dicts, strings and numbers only: ``find_class`` refuses every global
+    outside a short numpy allow-list, so a hostile file cannot name a callable (``os.system``) to run."""
 
     _allowed = _numpy_globals()
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self._allowed:
-            raise pickle.UnpicklingError(
-                f"refusing to load global {module}.{name}: CIFAR-10 batches contain only numpy arrays"
-            )
+            msg = f"refusing to load global {module}.{name}: CIFAR-10 batches contain only numpy arrays"
+            raise pickle.UnpicklingError(msg)
         return self._allowed[(module, name)]
 
 
@@ -166,11 +156,7 @@ def _read_cifar_batch(path: Path) -> Arrays:
 
 def load_cifar10(root: str | Path, train: bool = True) -> ArrayDataset:
     """CIFAR-10 (whichever of ``data_batch_1`` .. ``5`` are there, or ``test_batch``) from ``root``,
-    ``root/cifar-10-batches-py`` or ``-bin``, in either format: the python one's pickles are read by an
-    unpickler that only rebuilds numpy arrays, so a hostile file cannot run code.
-
-    >>> train = load_cifar10("~/data", train=True)          # 50000 x 32 x 32 x 3
-    """
+    ``root/cifar-10-batches-py`` or ``-bin``, in either format (pickles through :class:`_ArrayUnpickler`)."""
     base = Path(root).expanduser()
     names = [f"data_batch_{i}" for i in range(1, 6)] if train else ["test_batch"]
     folders = (base, base / "cifar-10-batches-py", base / "cifar-10-batches-bin")
@@ -178,15 +164,13 @@ def load_cifar10(root: str | Path, train: bool = True) -> ArrayDataset:
         for suffix in ("", ".bin"):
             paths = [folder / (name + suffix) for name in names]
             loaded = [_read_cifar_batch(path) for path in paths if path.is_file()]
-            if not loaded:
-                continue
-            data = np.concatenate([pixels for pixels, _ in loaded])
-            labels = np.concatenate([labels_of_one for _, labels_of_one in loaded])
-            if labels.min() < 0 or labels.max() > 9:
-                raise ValueError(f"CIFAR-10 labels must be in 0..9, found {labels.min()}..{labels.max()}")
-            # channel-planar RGB rows (R plane, G plane, B plane) -> N x 32 x 32 x 3
-            images = np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-            return ArrayDataset(torch.from_numpy(images), torch.from_numpy(labels), list(CIFAR10_CLASSES))
+            if loaded:
+                data, labels = (np.concatenate(parts) for parts in zip(*loaded))
+                if labels.min() < 0 or labels.max() > 9:
+                    raise ValueError(f"CIFAR-10 labels must be in 0..9, found {labels.min()}..{labels.max()}")
+                # channel-planar RGB rows (R plane, G plane, B plane) -> N x 32 x 32 x 3
+                images = np.ascontiguousarray(data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+                return ArrayDataset(torch.from_numpy(images), torch.from_numpy(labels), list(CIFAR10_CLASSES))
     wanted = "data_batch_1..data_batch_5" if train else "test_batch"
     raise FileNotFoundError(f"no CIFAR-10 {wanted} (nor with .bin) in " + ", ".join(map(str, folders)))
 
@@ -218,11 +202,7 @@ def load_image_folder(root: str | Path, train: bool = True) -> ArrayDataset:
     """The ``train`` or ``test`` images under ``root`` (one size, read as RGB), in a d2l tutorial layout:
     Kaggle's ``root/train/<id>.png`` with ``root/trainLabels.csv`` (a header, then ``id,label`` rows;
     test images have no published labels, so theirs are -1), or class folders ``root/train/<class>/``.
-    ``classes`` are the sorted label or folder names.
-
-    >>> load_image_folder("data/kaggle_cifar10_tiny", train=True).classes[:2]
-    ['airplane', 'automobile']
-    """
+    ``classes`` are the sorted label or folder names."""
     base = Path(root).expanduser()
     folder = base / ("train" if train else "test")
     if not folder.is_dir():
@@ -244,8 +224,7 @@ def load_image_folder(root: str | Path, train: bool = True) -> ArrayDataset:
         missing = [p.name for p in files if p.stem not in names]
         if train and missing:
             raise ValueError(f"{len(missing)} images in {folder} have no row in {csv_path}, e.g. {missing[0]}")
-        index = {name: i for i, name in enumerate(classes)}
-        labels = [index[names[p.stem]] if train else -1 for p in files]
+        labels = [classes.index(names[p.stem]) if train else -1 for p in files]
     if not files:
         raise FileNotFoundError(f"no images ({', '.join(_IMAGE_SUFFIXES)}) in {folder}")
     return ArrayDataset(_read_images(files), torch.tensor(labels, dtype=torch.int64), classes)
@@ -255,10 +234,7 @@ def get_dataset(
     name: str, data_dir: str | Path | None = None, train: bool = True, image_size: int = 32
 ) -> ArrayDataset:
     """A data set by name (``DATASET_NAMES``; "cifar10" and "folder" read ``data_dir``, "synthetic" has
-    4096 training and 1024 test images), resized bilinearly to ``image_size`` if need be.
-
-    >>> test = get_dataset("cifar10", data_dir="~/data", train=False)
-    """
+    4096 training and 1024 test images), resized bilinearly to ``image_size`` if need be."""
     if name not in DATASET_NAMES:
         raise ValueError(f"unknown data set {name!r}; choose one of {', '.join(DATASET_NAMES)}")
     if name == "digits":
@@ -277,12 +253,7 @@ def get_dataset(
 class BatchTransform:
     """uint8 ``N x H x W x C`` images (float ones: in [0, 1]) to normalised float ``N x C x H x W``, on
     their device; optionally zero-padded by ``pad`` and cropped back at a random offset, and flipped
-    left-right with probability 1/2, drawing from ``generator`` (torch's global one when None).
-
-    >>> tf = BatchTransform(CIFAR10_MEAN, CIFAR10_STD, pad=4, flip=True)   # CIFAR-10's training recipe
-    >>> tf(torch.zeros(8, 32, 32, 3, dtype=torch.uint8), torch.Generator().manual_seed(0)).shape
-    torch.Size([8, 3, 32, 32])
-    """
+    left-right with probability 1/2, drawing from ``generator`` (torch's global one when None)."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
@@ -294,10 +265,9 @@ class BatchTransform:
         p = self.pad
         if p:
             images = F.pad(images, (0, 0, p, p, p, p))  # zero border on H and W of NHWC
-        dy = torch.randint(0, 2 * p + 1, (n, 1), generator=generator)  # all 0 when p == 0
-        dx = torch.randint(0, 2 * p + 1, (n, 1), generator=generator)
-        rows = dy + torch.arange(h)  # n x h
-        cols = dx + torch.arange(w)  # n x w
+        # n x h and n x w, from random offsets (all 0 when p == 0)
+        rows = torch.randint(0, 2 * p + 1, (n, 1), generator=generator) + torch.arange(h)
+        cols = torch.randint(0, 2 * p + 1, (n, 1), generator=generator) + torch.arange(w)
         if self.flip:
             flipped = torch.rand(n, generator=generator) < 0.5
             cols = torch.where(flipped[:, None], cols.flip(1), cols)
@@ -336,11 +306,7 @@ def batches(
     transform: Callable[..., Tensor] | None = None, generator: torch.Generator | None = None,
 ) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
     """``(images, labels)`` batches in ``sampler``'s order (sequential when None; the last may be short),
-    each uint8 batch through ``transform(images, generator)``. Iterating the sampler advances its epoch.
-
-    >>> for x, y in batches(train, sampler, 32, train_tf, torch.Generator().manual_seed(rank)):
-    ...     loss = loss_fn(net(x), y)
-    """
+    each uint8 batch through ``transform(images, generator)``. Iterating the sampler advances its epoch."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got batch_size={batch_size}")
     order = torch.as_tensor(list(sampler) if sampler is not None else range(len(dataset)), dtype=torch.int64)

@@ -1,11 +1,6 @@
 """The networks the tutorials train (plain ``torch.nn`` modules) and the payloads ``pskv bench`` moves:
 d2l's CIFAR ResNet-18 and the Gluon lab's small CNN, and as shapes only (a CPU demo does not train
-them) the ImageNet ResNet-50 and VGG-16.
-
->>> net = get_model("resnet18", num_classes=10)            # net(torch.zeros(2, 3, 32, 32)): 2 x 10
->>> len(parameter_shapes("resnet18")), len(parameter_shapes("vgg16"))
-(42, 32)
-"""
+them) the ImageNet ResNet-50 and VGG-16."""
 
 from __future__ import annotations
 
@@ -40,11 +35,7 @@ class Residual(nn.Module):
 def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
     """ResNet-18 as the d2l CIFAR-10 tutorial builds it, for inputs of 8x8 and more: a 3x3 stem conv
     (stride 1, no max-pool, convs with biases as Gluon's), four stages of two residual blocks (stages
-    2-4 halve the size), global average pool, ``Linear(512, num_classes)``.
-
-    >>> resnet18(10)(torch.zeros(4, 3, 32, 32)).shape
-    torch.Size([4, 10])
-    """
+    2-4 halve the size), global average pool, ``Linear(512, num_classes)``."""
     return nn.Sequential(
         nn.Conv2d(in_channels, 64, kernel_size=3, padding=1), nn.BatchNorm2d(64), nn.ReLU(),
         nn.Sequential(Residual(64, 64), Residual(64, 64)),
@@ -56,11 +47,7 @@ def resnet18(num_classes: int = 10, in_channels: int = 3) -> nn.Sequential:
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1, image_size: int = 28) -> nn.Sequential:
-    """The multi-GPU lab's network for ``image_size`` x ``image_size`` inputs (14 or more).
-
-    >>> small_cnn(10, in_channels=1, image_size=28)(torch.zeros(2, 1, 28, 28)).shape
-    torch.Size([2, 10])
-    """
+    """The multi-GPU lab's network for ``image_size`` x ``image_size`` inputs (14 or more)."""
     side = ((image_size - 2) // 2 - 4) // 2  # after the convs and pools: 4 at 28, 5 at 32
     if side < 1:
         raise ValueError(f"small_cnn needs image_size >= 14, got image_size={image_size}")
@@ -98,21 +85,17 @@ def _resnet50_shapes() -> list[Shape]:
 
 def _vgg16_shapes() -> list[Shape]:
     """torchvision's ``vgg16()`` (no BatchNorm): 13 3x3 convs, then 25088-4096-4096-1000."""
-    shapes: list[Shape] = []
-    channels = 3
-    for width in (64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512):
-        shapes += [(width, channels, 3, 3), (width,)]
-        channels = width
-    for n_in, n_out in ((512 * 7 * 7, 4096), (4096, 4096), (4096, 1000)):
-        shapes += [(n_out, n_in), (n_out,)]
-    return shapes
+    widths = (3, 64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512)
+    weights: list[Shape] = [(n_out, n_in, 3, 3) for n_in, n_out in zip(widths, widths[1:])]
+    weights += [(n_out, n_in) for n_in, n_out in ((512 * 7 * 7, 4096), (4096, 4096), (4096, 1000))]
+    return [shape for w in weights for shape in (w, w[:1])]  # each weight, then its bias
 
 
 def parameter_shapes(name: str) -> list[Shape]:
-    """The arrays of a network's benchmark payload (``MODEL_NAMES``, "resnet50", "vgg16"). "resnet18": the 10-class CIFAR
-    ResNet-18's conv and linear weights and biases (BatchNorm left out, as in the peers' figures), 42
-    arrays, 11,169,162 numbers; "small_cnn": the 10-class, 1-channel, 28x28 net's parameters; "resnet50",
-    "vgg16": torchvision's 1000-class networks' (161 arrays, 25,557,032 numbers; 32, 138,357,544)."""
+    """The arrays of a benchmark payload (``MODEL_NAMES``, "resnet50", "vgg16"): "resnet18", the 10-class
+    CIFAR net's conv and linear weights and biases (BatchNorm left out, as in the peers' figures: 42
+    arrays, 11,169,162 numbers); "small_cnn", the 10-class, 1-channel, 28x28 net's; "resnet50", "vgg16",
+    torchvision's 1000-class networks' (161 arrays, 25,557,032 numbers; 32, 138,357,544)."""
     if name == "resnet50":
         return _resnet50_shapes()
     if name == "vgg16":
@@ -121,6 +104,5 @@ def parameter_shapes(name: str) -> list[Shape]:
         raise ValueError(f"unknown model {name!r}; choose one of resnet18, small_cnn, resnet50, vgg16")
     with torch.device("meta"):  # shapes without allocating memory
         model = resnet18(10) if name == "resnet18" else small_cnn(10, 1, 28)
-    # ResNet-18's payload leaves BatchNorm out (small_cnn has none)
     layers = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
     return [tuple(p.shape) for m in layers for p in m.parameters(recurse=False)]

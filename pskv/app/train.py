@@ -32,12 +32,11 @@ from pskv.trainer import Trainer
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pskv train",
+        prog="pskv train", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Train ResNet-18 (or the lab's small CNN) with several workers and parameter servers.",
         epilog="examples:\n  pskv train\n  pskv train --kv-store local --workers 1\n"
         "  pskv launch -n 4 -s 2 -- pskv train --epochs 10\n"
         "  pskv train --dataset cifar10 --data-dir ~/data/cifar-10-batches-py",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add = p.add_argument
     add("--workers", type=int, help="workers to launch when started by hand (2 for dist stores, 1 otherwise)")
@@ -108,12 +107,9 @@ def run_worker(args: argparse.Namespace) -> int:
 
     if rank == 0:
         store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
-        print(
-            f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
-            f"images), {workers} worker(s) x {len(devices)} device(s), store {store}, "
-            f"batch {args.batch_size} per worker, {args.epochs} epochs",
-            flush=True,
-        )
+        print(f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
+              f"images), {workers} worker(s) x {len(devices)} device(s), store {store}, "
+              f"batch {args.batch_size} per worker, {args.epochs} epochs", flush=True)
         if args.resume:
             print(f"pskv train: resuming from {resumed}, {progress['epoch']} epochs done" if resumed else f"pskv train: no checkpoint in {args.checkpoint_dir} yet; starting", flush=True)
     history: list[dict[str, Any]] = progress.get("history", [])
@@ -124,15 +120,13 @@ def run_worker(args: argparse.Namespace) -> int:
         sampler.set_epoch(epoch)
         loss_sum, correct, seen = 0.0, 0, 0
         bar = tqdm(
-            datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), total=math.ceil(len(sampler) / args.batch_size),
-            desc=f"epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False, file=sys.stderr, ncols=100,
-            disable=rank != 0 or args.no_progress,
+            datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), unit="batch", leave=False,
+            total=math.ceil(len(sampler) / args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}",
+            file=sys.stderr, ncols=100, disable=rank != 0 or args.no_progress,
         )  # fmt: skip
         t0 = time.perf_counter()
         for x, y in bar:
-            xs = split_and_load(x, devices, even_split=False)
-            ys = split_and_load(y, devices, even_split=False)
-            for net, xi, yi in zip(nets, xs, ys):
+            for net, xi, yi in zip(nets, *(split_and_load(t, devices, even_split=False) for t in (x, y))):
                 net.zero_grad()
                 out = net(xi)
                 loss = loss_fn(out, yi)
@@ -151,10 +145,8 @@ def run_worker(args: argparse.Namespace) -> int:
             for x, y in datasets.batches(test_set, test_part, 256, test_tf):
                 test_correct += int((net(x.to(devices[0])).argmax(1).cpu() == y).sum())
         net.train()
-        mine = {
-            "loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
-            "test_correct": test_correct, "test_seen": len(test_part),
-        }  # fmt: skip
+        mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
+                "test_correct": test_correct, "test_seen": len(test_part)}  # fmt: skip
         everyone = kv.allgather({**mine, "rank": rank})  # from the workers still in the job
         sampler, test_part = share([e["rank"] for e in everyone])
         total = {key: sum(e[key] for e in everyone) for key in mine}
@@ -170,32 +162,26 @@ def run_worker(args: argparse.Namespace) -> int:
         }
         history.append(row)
         if rank == 0:
-            print(
-                f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, "
-                f"test acc {row['test_acc']:.4f}, time {row['seconds']:.1f} s, "
-                f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
-                f"{row['samples_per_sec']:.1f} samples/s total",
-                flush=True,
-            )
+            print(f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, "
+                  f"test acc {row['test_acc']:.4f}, time {row['seconds']:.1f} s, "
+                  f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
+                  f"{row['samples_per_sec']:.1f} samples/s total", flush=True)
         if args.checkpoint_dir:
             checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history})
     if rank == 0:
         last, seconds = history[-1], time.perf_counter() - started
         # the run's samples/s: every epoch's rate weighted by its time
         rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)
-        print(
-            f"done: test acc {last['test_acc']:.4f} after {args.epochs} epochs in {seconds:.1f} s "
-            f"({rate:.1f} samples/s in total)",
-            flush=True,
-        )
-        final = {key: last[key] for key in ("test_acc", "train_acc", "loss")}
-        report = {
-            "model": args.model, "dataset": args.dataset, "kv_store": kv.type,
-            "workers": workers, "servers": servers, "devices": [str(d) for d in devices],
-            "batch_size_per_worker": args.batch_size, "epochs": history,
-            "final": {**final, "seconds": seconds, "samples_per_sec": rate},
-        }  # fmt: skip
+        print(f"done: test acc {last['test_acc']:.4f} after {args.epochs} epochs in {seconds:.1f} s "
+              f"({rate:.1f} samples/s in total)", flush=True)
         if args.report:
+            final = {key: last[key] for key in ("test_acc", "train_acc", "loss")}
+            report = {
+                "model": args.model, "dataset": args.dataset, "kv_store": kv.type,
+                "workers": workers, "servers": servers, "devices": [str(d) for d in devices],
+                "batch_size_per_worker": args.batch_size, "epochs": history,
+                "final": {**final, "seconds": seconds, "samples_per_sec": rate},
+            }  # fmt: skip
             args.report.parent.mkdir(parents=True, exist_ok=True)
             args.report.write_text(json.dumps(report, indent=2) + "\n")
         if args.plot:
