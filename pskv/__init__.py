@@ -1,14 +1,6 @@
-"""pskv: MXNet-style parameter-server training on PyTorch tensors.
-
->>> import pskv, torch
->>> kv = pskv.kv.create("local")          # or "device", "dist_sync", "dist_async", ...
->>> kv.init("w", torch.zeros(3))
->>> kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1))
->>> kv.push("w", torch.ones(3)); out = torch.empty(3); kv.pull("w", out)
-
-Submodules that need torch are imported on first use, so that a scheduler process (which
-moves only control messages) starts without loading torch.
-"""
+"""pskv: MXNet-style parameter-server training on PyTorch tensors (examples: README.md). Submodules
+that need torch are imported on first use, so that a scheduler process (which moves only control
+messages) starts without loading torch."""
 
 from __future__ import annotations
 
@@ -43,4 +35,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'pskv' has no attribute {name!r}")
 
 
-__all__ = sorted([*errors.__all__, "Trainer", "__version__", "checkpoint", "compression", "data", "kv", "optim", "split_and_load"])
+__all__ = sorted([*errors.__all__, "__version__", *_SUBMODULES, *_NAMES])

@@ -1,7 +1,5 @@
 """``python -m pskv ...`` is the ``pskv`` command."""
 
-import sys
-
 from .cli import main
 
-sys.exit(main())
+raise SystemExit(main())

@@ -2,14 +2,9 @@
 model's weights (``model.pt``), the optimizer's states, read from the servers when they run it
 (``optimizer.pt``), and the caller's progress (``progress.json``). Each is written as
 ``epoch-N.tmp`` and renamed into place, so a job killed at any moment leaves the last complete one;
-a job resumed from it may have another number of workers or servers (docs/TRAINING.md).
-
->>> path = checkpoint.latest(directory)                      # before the Trainer: it sends worker
->>> progress = checkpoint.load_weights(path, [net]) if path else {}  # 0's weights to the servers
->>> trainer = pskv.Trainer(net.parameters(), "sgd", {...}, kvstore=kv)
->>> if path: checkpoint.load_states(path, trainer)
->>> ... each epoch: checkpoint.save(directory, epoch + 1, net, trainer, {"history": ...})
-"""
+a job resumed from it may have another number of workers or servers (docs/TRAINING.md). To resume:
+:func:`latest` and :func:`load_weights` before making the Trainer (it sends worker 0's weights to the
+servers), :func:`load_states` after; :func:`save` after each epoch (as pskv/app/train.py does)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv and argv[0] in ("train", "bench"):
         return int(importlib.import_module(f"pskv.app.{argv[0]}").main(argv[1:]))
     from . import launch
-
     parser = argparse.ArgumentParser(prog="pskv", description="Parameter-server training for PyTorch.")
     sub = parser.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
     launch.add_parser(sub)
@@ -32,7 +31,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.cmd == "launch":
             return launch.run(args)
         from .ps import serve
-
         return serve()
     except PSKVError as exc:
         print(f"pskv {args.cmd}: {exc}", file=sys.stderr)

@@ -1,15 +1,7 @@
-"""Gradient compression: what a worker sends instead of a dense float gradient.
-
-The codecs are those of docs/SPEC.md, section 5 (``2bit``, ``1bit``, ``fp16``, ``bf16``). Each keeps
-a *residual* per key (and per device of a device list): the part of the gradient not sent yet,
-added to the next push. ``init`` values are never compressed; row-sparse pushes are sent as they are.
-
->>> codec = Codec.create({"type": "2bit", "threshold": 0.5})
->>> residual = torch.zeros(4)
->>> wire = codec.encode(torch.tensor([0.6, -0.2, -0.7, 0.1]), residual)
->>> codec.decode(wire, 4, torch.float32)
-tensor([ 0.5000,  0.0000, -0.5000,  0.0000])
-"""
+"""Gradient compression: what a worker sends instead of a dense float gradient. The codecs are those
+of docs/SPEC.md, section 5 (``2bit``, ``1bit``, ``fp16``, ``bf16``). Each keeps a *residual* per key
+(and per device of a device list): the part of the gradient not sent yet, added to the next push.
+``init`` values are never compressed; row-sparse pushes are sent as they are."""
 
 from __future__ import annotations
 
@@ -39,8 +31,7 @@ class Codec:
         if not isinstance(params, Mapping):
             raise CompressionError(f"compression parameters must be a dict, got {params!r}")
         kind = params.get("type")
-        extra = set(params) - {"type", "threshold"}
-        if extra:
+        if extra := set(params) - {"type", "threshold"}:
             raise CompressionError(f"unknown compression parameter(s) {sorted(extra)}; known: type, threshold")
         if kind in _CASTS:
             if "threshold" in params:
@@ -86,8 +77,7 @@ class Codec:
 
     def wire_numel(self, numel: int) -> int:
         """How many elements the wire tensor of a ``numel``-element gradient has."""
-        per_word = {"2bit": 16, "1bit": 32}.get(self.type, 1)
-        return -(-numel // per_word)
+        return -(-numel // {"2bit": 16, "1bit": 32}.get(self.type, 1))
 
     def roundtrip(self, grad: Tensor, residual: Tensor) -> Tensor:
         """``decode(encode(grad))`` shaped like ``grad``: what the receiver will see."""
@@ -97,21 +87,17 @@ class Codec:
 def _pack(codes: Tensor, bits: int) -> Tensor:
     """Pack small non-negative ints (``< 2**bits``) into int32 words, lowest bits first."""
     per = 32 // bits
-    n = codes.numel()
-    padded = torch.zeros(-(-n // per) * per, dtype=torch.int64, device=codes.device)
-    padded[:n] = codes.reshape(-1)
+    padded = torch.nn.functional.pad(codes.reshape(-1).to(torch.int64), (0, -codes.numel() % per))
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=codes.device)
     words = (padded.view(-1, per) << shifts).sum(dim=1)
     # keep the low 32 bits and reinterpret them as a signed int32
-    words = torch.where(words >= 2**31, words - 2**32, words)
-    return words.to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def _unpack(words: Tensor, bits: int, n: int) -> Tensor:
     w = words.to(torch.int64) & 0xFFFFFFFF
     shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=words.device)
-    codes = (w.view(-1, 1) >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(-1)[:n]
+    return ((w.view(-1, 1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:n]
 
 
 class Compressor:

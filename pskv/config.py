@@ -1,8 +1,6 @@
 """pskv's settings: a short list of environment variables, read through one typed helper.
 
-========================== ======== ============================================================
 variable                   default  meaning
-========================== ======== ============================================================
 ``PSKV_TIMEOUT``           300      seconds any blocking call (pull, barrier, ...) may wait
 ``PSKV_START_TIMEOUT``     120      seconds for every node to register with the scheduler
 ``PSKV_HEARTBEAT_TIMEOUT`` 30       seconds of silence after which a node is declared dead
@@ -21,11 +19,9 @@ variable                   default  meaning
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
 ``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
 ``PSKV_LIFELINE``          (set)    ``fd:inode`` of a pipe from ``pskv launch``: its end stops every process of the job
-========================== ======== ============================================================
 
 The ``DMLC_*`` variables that say who a process is (role, scheduler address, counts) are read in
-:mod:`pskv.ps.node`; they keep the names that existing parameter-server tooling sets.
-"""
+:mod:`pskv.ps.node`; they keep the names that existing parameter-server tooling sets."""
 
 from __future__ import annotations
 

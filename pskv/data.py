@@ -1,10 +1,6 @@
 """Data helpers for data-parallel training: which samples a worker reads, and splitting a batch
 over devices. Both are deterministic given their arguments, so every worker computes the same
-split of the data without talking to the others (data sets and models are in ``pskv.app``).
-
->>> sampler = pskv.data.SplitSampler(len(dataset), num_parts=kv.num_workers, part_index=kv.rank)
->>> loader = torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler)
-"""
+split of the data without talking to the others (data sets and models are in ``pskv.app``)."""
 
 from __future__ import annotations
 
@@ -17,18 +13,11 @@ from torch.utils.data import Sampler
 
 __all__ = ["SplitSampler", "split_and_load"]
 
-DeviceLike = Union[torch.device, str]
-
 
 class SplitSampler(Sampler[int]):
     """Indices of one worker's part of a data set, reshuffled each epoch (docs/SPEC.md, section 7
     and "SplitSampler epochs"): part ``i`` is ``[i*L, (i+1)*L)`` with ``L = length // num_parts``,
-    permuted by a generator seeded with ``seed + epoch``.
-
-    >>> s = SplitSampler(10, num_parts=3, part_index=1, shuffle=False)
-    >>> list(s), len(s)
-    ([3, 4, 5], 3)
-    """
+    permuted by a generator seeded with ``seed + epoch``."""
 
     def __init__(self, length: int, num_parts: int = 1, part_index: int = 0, shuffle: bool = True, seed: int = 0) -> None:
         if num_parts < 1:
@@ -50,8 +39,7 @@ class SplitSampler(Sampler[int]):
         """This part's indices in epoch ``epoch``'s order (does not change :attr:`epoch`)."""
         if not self.shuffle:
             return list(range(self.start, self.end))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
+        generator = torch.Generator().manual_seed(self.seed + epoch)
         return (torch.randperm(self.part_len, generator=generator) + self.start).tolist()
 
     def __iter__(self) -> Iterator[int]:
@@ -63,13 +51,10 @@ class SplitSampler(Sampler[int]):
         return self.part_len
 
 
-def split_and_load(batch: Tensor, devices: Sequence[DeviceLike], batch_axis: int = 0, even_split: bool = True) -> list[Tensor]:
+def split_and_load(batch: Tensor, devices: Sequence[Union[torch.device, str]], batch_axis: int = 0,
+                   even_split: bool = True) -> list[Tensor]:
     """Split ``batch`` along ``batch_axis`` into one part per device (docs/SPEC.md, section 7);
-    fewer rows than devices is a ``ValueError`` either way, as in MXNet.
-
-    >>> [len(p) for p in split_and_load(torch.arange(7), ["cpu"] * 3, even_split=False)]
-    [3, 2, 2]
-    """
+    fewer rows than devices is a ``ValueError`` either way, as in MXNet."""
     n = len(devices)
     if n == 0:
         raise ValueError("split_and_load needs at least one device, got an empty list")
@@ -77,12 +62,9 @@ def split_and_load(batch: Tensor, devices: Sequence[DeviceLike], batch_axis: int
         return [batch.to(devices[0])]
     size = batch.shape[batch_axis]
     if size < n:
-        needed = "at least one row per device is needed"
-        raise ValueError(f"cannot split a batch of size {size} (axis {batch_axis}) over {n} devices: {needed}")
+        raise ValueError(f"cannot split a batch of size {size} (axis {batch_axis}) over {n} devices: "
+                         "at least one row per device is needed")
     if even_split and size % n != 0:
-        raise ValueError(
-            f"batch size {size} (axis {batch_axis}) is not divisible by the number of devices {n}; "
-            f"use a multiple of {n} or even_split=False"
-        )
-    parts = torch.tensor_split(batch, n, dim=batch_axis)
-    return [part.to(device) for part, device in zip(parts, devices)]
+        raise ValueError(f"batch size {size} (axis {batch_axis}) is not divisible by the number of devices "
+                         f"{n}; use a multiple of {n} or even_split=False")
+    return [part.to(device) for part, device in zip(torch.tensor_split(batch, n, dim=batch_axis), devices)]

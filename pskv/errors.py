@@ -1,10 +1,7 @@
-"""Every exception pskv raises, in one tree.
-
-Errors raised on a server travel back to the worker as a kind name plus text, and are raised
-there as the class of that name (looked up in this module, never evaluated). The errors that
-say what a wait is missing (deadlines, lost and finished nodes) are worded at the end of this
-module, whichever part of the system notices.
-"""
+"""Every exception pskv raises, in one tree. Errors raised on a server travel back to the worker as
+a kind name plus text, and are raised there as the class of that name (looked up in this module,
+never evaluated). The errors that say what a wait is missing (deadlines, lost and finished nodes)
+are worded at the end of this module, whichever part of the system notices."""
 
 from __future__ import annotations
 
@@ -42,6 +39,8 @@ class NodeFailedError(ClusterError): ...  # a scheduler/server/worker died or le
 class ProtocolError(ClusterError): ...  # a malformed message arrived
 class LaunchError(PSKVError): ...  # ``pskv launch`` could not start or keep a job running
 
+_BY_NAME = {name: cls for name, cls in globals().items() if isinstance(cls, type) and issubclass(cls, PSKVError)}
+
 
 # -- what is missing: every error of SPEC section 9 ("never a silent hang") is worded here --------
 
@@ -73,6 +72,3 @@ def from_reply(meta: Any, context: str = "") -> PSKVError:
     meta = meta if isinstance(meta, dict) else {}
     error_class = _BY_NAME.get(str(meta.get("kind", "")), ClusterError)
     return error_class(f"{context}{meta.get('message', 'unknown error')}")
-
-
-_BY_NAME = {name: cls for name, cls in globals().items() if isinstance(cls, type) and issubclass(cls, PSKVError)}

@@ -9,8 +9,7 @@ from torch import Tensor
 
 
 def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
-    """The sum of ``values`` made on ``device``, never aliasing an input: row-sparse (coalesced)
-    if every value is, else dense."""
+    """The sum of ``values`` on ``device``, never aliasing an input; row-sparse (coalesced) if all are."""
     dense = [v for v in values if not v.is_sparse]
     sparse = [v for v in values if v.is_sparse]
     if not dense:

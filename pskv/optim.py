@@ -1,8 +1,6 @@
-"""Optimizers that run where the weights live: in the worker's process or on the servers.
-
-An :class:`Optimizer` is a description that travels as JSON (docs/SPEC.md, section 4 and
-"Optimizers") plus update rules in torch ops that follow ``torch.optim``'s code operation by operation.
-"""
+"""Optimizers that run where the weights live: in the worker's process or on the servers. An
+:class:`Optimizer` is a description that travels as JSON (docs/SPEC.md, section 4 and "Optimizers")
+plus update rules in torch ops that follow ``torch.optim``'s code operation by operation."""
 
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .errors import OptimizerError
+from .ops import write_rows
 
 Hyper = dict[str, Union[int, float, bool]]
 
@@ -44,10 +43,6 @@ def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
 # Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
 # weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
 # dense one may be the caller's unless _Rule.writes_grad (rows are unique and sorted; values are not written).
-def _sgd_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
-    return {"momentum_buffer": torch.zeros_like(w)} if h["momentum"] != 0 else {}
-
-
 def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
     if h["wd"] != 0:
         g.add_(w, alpha=h["wd"])
@@ -73,10 +68,6 @@ def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w
     w.index_copy_(0, rows, wr)
     for n, t in st_rows.tensors.items():
         st.tensors[n].index_copy_(0, rows, t)
-
-
-def _adam_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
-    return {"exp_avg": torch.zeros_like(w), "exp_avg_sq": torch.zeros_like(w)}
 
 
 def _adam_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor, decoupled: bool = False) -> None:
@@ -117,10 +108,6 @@ def _adam_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, 
     w.index_add_(0, rows, -step_size * numer.div_(denom))
 
 
-def _adagrad_state(h: Hyper, w: Tensor) -> dict[str, Tensor]:
-    return {"sum": torch.full_like(w, float(h["initial_accumulator_value"]))}
-
-
 def _adagrad_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
     if h["wd"] != 0:
         g.add_(w, alpha=h["wd"])
@@ -142,21 +129,25 @@ def _adagrad_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tenso
 @dataclass(frozen=True)
 class _Rule:
     defaults: Hyper
-    state: Callable[[Hyper, Tensor], dict[str, Tensor]]
+    state: Callable[[Hyper], dict[str, float]]  # each state tensor's name and initial value
     dense: Callable[[Hyper, float, KeyState, Tensor, Tensor], None]
     sparse: Callable[[Hyper, float, KeyState, Tensor, Tensor, Tensor], None]
     writes_grad: Callable[[Hyper], bool]  # does ``dense`` overwrite its gradient?
 
 
-_SGD: Hyper = {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
 _ADAM: Hyper = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
-_ADAGRAD: Hyper = {"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0}
 _ADAMW_DENSE, _ADAMW_SPARSE = partial(_adam_dense, decoupled=True), partial(_adam_sparse, decoupled=True)
 _RULES = {
-    "sgd": _Rule(_SGD, _sgd_state, _sgd_dense, _sgd_sparse, lambda h: h["wd"] != 0 or bool(h["nesterov"])),
-    "adam": _Rule(_ADAM, _adam_state, _adam_dense, _adam_sparse, lambda h: True),
-    "adamw": _Rule({**_ADAM, "wd": 0.01}, _adam_state, _ADAMW_DENSE, _ADAMW_SPARSE, lambda h: True),
-    "adagrad": _Rule(_ADAGRAD, _adagrad_state, _adagrad_dense, _adagrad_sparse, lambda h: h["wd"] != 0),
+    "sgd": _Rule({"momentum": 0.0, "dampening": 0.0, "nesterov": False},
+                 lambda h: {"momentum_buffer": 0.0} if h["momentum"] != 0 else {},
+                 _sgd_dense, _sgd_sparse, lambda h: h["wd"] != 0 or bool(h["nesterov"])),
+    "adam": _Rule(_ADAM, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0}, _adam_dense, _adam_sparse,
+                  lambda h: True),
+    "adamw": _Rule({**_ADAM, "wd": 0.01}, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
+                   _ADAMW_DENSE, _ADAMW_SPARSE, lambda h: True),
+    "adagrad": _Rule({"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
+                     lambda h: {"sum": float(h["initial_accumulator_value"])},
+                     _adagrad_dense, _adagrad_sparse, lambda h: h["wd"] != 0),
 }
 OPTIMIZERS = tuple(sorted(_RULES))
 
@@ -187,8 +178,7 @@ def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
             raise OptimizerError(f"lr_scheduler {name!r} needs {field!r}")
         if not _is_number(value) and (name, field) != ("multifactor", "step"):  # checked below
             raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
-    unknown = set(spec) - set(out)
-    if unknown:
+    if unknown := set(spec) - set(out):
         raise OptimizerError(f"lr_scheduler {name!r} does not take {sorted(unknown)}")
     if name == "multifactor":
         steps = out["step"]
@@ -211,11 +201,10 @@ def scheduled_lr(base_lr: float, schedule: Optional[Mapping[str, Any]], num_upda
     if name == "step":
         return float(base_lr * schedule["factor"] ** ((num_update - 1) // schedule["step"]))
     if name == "multifactor":
-        passed = sum(1 for s in schedule["step"] if num_update > s)
-        return float(base_lr * schedule["factor"] ** passed)
-    warm, top, final = schedule["warmup_steps"], schedule["max_update"], schedule["final_lr"]
+        return float(base_lr * schedule["factor"] ** sum(num_update > s for s in schedule["step"]))
+    warm, top = schedule["warmup_steps"], schedule["max_update"]
+    final, begin = schedule["final_lr"], schedule["warmup_begin_lr"]
     if num_update <= warm:
-        begin = schedule["warmup_begin_lr"]
         return float(begin + (base_lr - begin) * num_update / warm)
     if num_update >= top:
         return float(final)
@@ -315,7 +304,8 @@ class Optimizer:
         """``key``'s state (a new one shaped like ``weight``), its update counted."""
         st = self.states.get(key)
         if st is None:
-            st = self.states[key] = KeyState(0, self._rule.state(self._hyper, weight))
+            fills = self._rule.state(self._hyper)
+            st = self.states[key] = KeyState(0, {n: torch.full_like(weight, v) for n, v in fills.items()})
         st.step += 1
         self.num_update = max(self.num_update, st.step)
         return st
@@ -373,7 +363,7 @@ class Optimizer:
 
     def check_state(self, key: object, tensors: Mapping[str, Tensor], weight: Tensor) -> None:
         """Raise ``OptimizerError`` unless ``tensors`` are the states kept for ``weight`` (names, sizes)."""
-        want = sorted(self._rule.state(self._hyper, torch.empty(0)))
+        want = sorted(self._rule.state(self._hyper))
         if sorted(tensors) != want:
             hint = "load them into an optimizer with the same settings"
             raise OptimizerError(f"key {key}: the saved states are {sorted(tensors)} but {self!r} keeps {want}; {hint}")
@@ -424,8 +414,7 @@ def load_states(path: Union[str, Path]) -> dict[str, Any]:
 
 
 def create(name: str, **hyper: Any) -> Optimizer:
-    """Build an optimizer, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9, lr_scheduler=...)``;
-    an ``OptimizerError`` for an unknown name or a bad hyperparameter."""
+    """Build an optimizer, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9, lr_scheduler=...)``."""
     schedule = hyper.pop("lr_scheduler", None)
     return Optimizer(name, hyper, schedule)
 
@@ -436,8 +425,6 @@ def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored:
     if optimizer is not None:
         optimizer.update(key, merged, stored, grad_is_scratch=merged_is_scratch)
     elif merged.is_sparse:
-        rows, vals = _rows(merged)
-        stored.zero_()
-        stored.index_copy_(0, rows.to(stored.device), vals.to(stored.device, stored.dtype))
+        write_rows(stored, *_rows(merged))
     else:
         stored.copy_(merged)

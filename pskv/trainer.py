@@ -1,9 +1,5 @@
 """The Trainer: gradients summed over devices and workers, then one optimizer step, on the store
-(``update_on_kvstore``) or here. Semantics: docs/SPEC.md, "Trainer"; overlap: docs/DESIGN.md.
-
->>> trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore="dist_sync")
->>> loss(net(x), y).backward(); trainer.step(batch_size=x.shape[0])
-"""
+(``update_on_kvstore``) or here. Semantics: docs/SPEC.md, "Trainer"; overlap: docs/DESIGN.md."""
 
 from __future__ import annotations
 
@@ -62,26 +58,18 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
 
 
 class Trainer:
-    """Applies an optimizer to parameters through a store (docs/SPEC.md, "Trainer" and "Overlap").
-    Not thread-safe.
+    """Applies an optimizer to parameters through a store (docs/SPEC.md, "Trainer" and "Overlap");
+    not thread-safe. ``params``: tensors, ``(name, tensor)`` pairs or a dict (keys: the order, or the
+    names), or one of those per device replica; shared tensors are trained once, frozen ones left alone.
+    ``kvstore``: a store type name, a store, or ``None``. ``update_on_kvstore=None``: True whenever a
+    store is used. ``overlap=None`` picks (SPEC); with overlap, accumulate gradients inside
+    :meth:`no_sync` and call :meth:`synchronize` before reading weights outside a forward."""
 
-    ``params``: tensors, ``(name, tensor)`` pairs or a dict (keys: the order, or the names), or one of
-    those per device replica; shared tensors are trained once, frozen ones left alone.
-    ``kvstore``: a store type name, a store, or ``None``. ``update_on_kvstore=None``: True whenever
-    a store is used. ``overlap=None`` picks (SPEC); with overlap, accumulate gradients inside
-    :meth:`no_sync` and call :meth:`synchronize` before reading weights outside a forward.
-    """
-
-    def __init__(
-        self,
-        params: ParamsArg,
-        optimizer: Union[str, optim.Optimizer],
-        optimizer_params: Optional[dict[str, Any]] = None,
-        kvstore: Union[str, KVStore, None] = "device",
-        compression_params: Optional[dict[str, Any]] = None,
-        update_on_kvstore: Optional[bool] = None,
-        overlap: Optional[bool] = None,
-    ):
+    def __init__(self, params: ParamsArg, optimizer: Union[str, optim.Optimizer],
+                 optimizer_params: Optional[dict[str, Any]] = None,
+                 kvstore: Union[str, KVStore, None] = "device",
+                 compression_params: Optional[dict[str, Any]] = None,
+                 update_on_kvstore: Optional[bool] = None, overlap: Optional[bool] = None):
         self._keys, self._reps = _replicas(params)
         if not isinstance(optimizer, optim.Optimizer):
             optimizer = optim.create(optimizer, **(optimizer_params or {}))
@@ -129,11 +117,9 @@ class Trainer:
             self._arm()
 
     def _arm(self) -> None:
-        """Hooks: a gradient leaves once backward made it for every replica; a module's forward waits
-        for its parameters' exchange."""
+        """Hooks: a gradient leaves once every replica has it; a module's forward waits for its parameters."""
         where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
-
         def grad_ready(param: Tensor) -> None:
             trainer = me()
             if trainer is not None:
@@ -148,7 +134,6 @@ class Trainer:
                         t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
                         timeline.span(f"wait {trainer._keys[i]}", t0)
-
         hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
         for hook in [*hooks, register_module_forward_pre_hook(before_forward)]:
             weakref.finalize(self, hook.remove)
@@ -158,10 +143,9 @@ class Trainer:
             return
         i = self._where[id(param)]
         if self._pushed[i]:
-            raise TrainerError(
-                f"parameter {self._keys[i]!r} got a second gradient before step(): accumulate gradients "
-                "over several backward passes inside `with trainer.no_sync():` (all but the last)"
-            )
+            raise TrainerError(f"parameter {self._keys[i]!r} got a second gradient before step(): accumulate "
+                               "gradients over several backward passes inside `with trainer.no_sync():` "
+                               "(all but the last)")
         self._ready[i] += 1
         grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
         if self._ready[i] < len(self._reps) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
@@ -241,10 +225,9 @@ class Trainer:
             for d, rep in enumerate(self._reps):
                 g = rep[i].grad
                 if g is None and not ignore_stale_grad:
-                    raise TrainerError(
-                        f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was not used in the forward pass "
-                        "since the last step; pass ignore_stale_grad=True to push zeros for it"
-                    )
+                    raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
+                                       "not used in the forward pass since the last step; pass "
+                                       "ignore_stale_grad=True to push zeros for it")
                 grads[-1].append(torch.zeros_like(rep[i]) if g is None else g)
         return which, grads
 
@@ -260,7 +243,7 @@ class Trainer:
         scale = self._set_scale(batch_size)
         if not self._update_on_kvstore:
             self.allreduce_grads(ignore_stale_grad)
-            self._update_here()
+            self.update(batch_size)  # MXNet's step: allreduce_grads, then update
             return
         assert self._kv is not None
         rest, grads = self._unsent(ignore_stale_grad)
@@ -299,9 +282,6 @@ class Trainer:
         if self._update_on_kvstore:
             raise TrainerError("update() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
         self._set_scale(batch_size)
-        self._update_here()
-
-    def _update_here(self) -> None:
         with torch.no_grad():
             which = [i for i, t in enumerate(self._reps[0]) if t.grad is not None]
             first = [self._reps[0][i] for i in which]

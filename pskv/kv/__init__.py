@@ -26,7 +26,6 @@ def create(name: str = "local") -> KVStore:
         raise KVStoreError(f"unknown store type {name!r}; known: {', '.join([*TYPES, *ALIASES])}")
     if canonical.startswith("dist"):
         from .dist import create_dist
-
         return create_dist(canonical)
     return KVStore(canonical)
 

@@ -1,8 +1,6 @@
-"""The store API that every type shares: keys, argument checks, the public methods; its hooks are
-the in-process stores ``local`` and ``device``, and :mod:`pskv.kv.dist` replaces them.
-
-Everything a user can get wrong is checked here, before the ``_..._impl`` hooks run, so a rejected
-call changes nothing."""
+"""The store API that every type shares: keys, argument checks, the public methods; its hooks are the
+in-process stores ``local`` and ``device``, and :mod:`pskv.kv.dist` replaces them. Everything a user can get
+wrong is checked here, before the ``_..._impl`` hooks run, so a rejected call changes nothing."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Optional, TypeVar, Union, cast
 
 import torch
 from torch import Tensor
@@ -58,21 +56,17 @@ class KeyMeta:
 
 
 Group = tuple[KeyMeta, list[Tensor]]  # a validated key and its tensors (values or outputs)
-
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _locked(method: F) -> F:
     """A public call: under the store's lock and ``torch.no_grad()``, on an open store."""
-
     @functools.wraps(method)
     def call(self: KVStore, *args: Any, **kwargs: Any) -> Any:
         with self._lock, torch.no_grad():
             if self._closed:
                 raise errors.StoreClosedError(f"the {self.type!r} store was closed")
             return method(self, *args, **kwargs)
-
     return call  # type: ignore[return-value]
 
 
@@ -121,18 +115,9 @@ class KVStore:
         elif not isinstance(key, str):
             raise errors.KeyTypeError(f"keys must be int or str, got {type(key).__name__} {key!r:.80}")
         if kind is not None and type(key) is not kind:
-            raise errors.KeyTypeError(
-                f"key {key!r} is a {type(key).__name__}, but this store's keys are {kind.__name__}s "
-                "(one store never mixes int and str keys)"
-            )
+            raise errors.KeyTypeError(f"key {key!r} is a {type(key).__name__}, but this store's keys are "
+                                      f"{kind.__name__}s (one store never mixes int and str keys)")
         return key
-
-    def _meta(self, key: object) -> KeyMeta:
-        k = self._check_key(key)
-        meta = self._keys.get(k)
-        if meta is None:
-            raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
-        return meta
 
     @staticmethod
     def _pairs(key: KeyArg, value: Any, what: str) -> list[tuple[Any, list[Tensor]]]:
@@ -158,26 +143,26 @@ class KVStore:
             if v.layout not in (torch.strided, torch.sparse_coo):
                 raise errors.InvalidValueError(f"key {key!r}: {what} has unsupported layout {v.layout}")
             if v.is_sparse and v.sparse_dim() != 1:
-                raise errors.SparseError(
-                    f"key {key!r}: a sparse {what} must be row-sparse (sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}"
-                )
+                raise errors.SparseError(f"key {key!r}: a sparse {what} must be row-sparse "
+                                         f"(sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}")
         return items
 
     @staticmethod
     def _check_like(meta: KeyMeta, t: Tensor, what: str) -> None:
         if t.shape != meta.shape:
-            raise errors.ShapeMismatchError(
-                f"{meta}: {what} has shape {tuple(t.shape)} but the key was initialised with shape {tuple(meta.shape)}"
-            )
+            raise errors.ShapeMismatchError(f"{meta}: {what} has shape {tuple(t.shape)} but the key was "
+                                            f"initialised with shape {tuple(meta.shape)}")
         if t.dtype != meta.dtype:
             raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
     def _grouped(self, key: KeyArg, value: Any, what: str, join: bool = True) -> list[Group]:
-        """Validated ``(meta, tensors)`` per distinct key, in first-seen order (repeats joined), or
-        with ``join=False`` per key given."""
+        """Validated ``(meta, tensors)`` per distinct key in first-seen order; ``join=False``: per key."""
         groups: dict[int, Group] = {}
-        for i, (k, ts) in enumerate(self._pairs(key, value, what)):
-            meta = self._meta(k)
+        for i, (k_raw, ts) in enumerate(self._pairs(key, value, what)):
+            k = self._check_key(k_raw)
+            meta = self._keys.get(k)
+            if meta is None:
+                raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
             for t in ts:
                 self._check_like(meta, t, what)
             groups.setdefault(meta.id if join else i, (meta, []))[1].extend(ts)
@@ -206,21 +191,18 @@ class KVStore:
         """Push ``value`` (a tensor or a list of per-device tensors, summed) to ``key`` (docs/SPEC.md,
         section 2). ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
         the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
-        groups = self._grouped(key, value, "pushed value")
-        handle = self._push_impl(groups, int(priority), wait, _held)
+        handle = self._push_impl(self._grouped(key, value, "pushed value"), int(priority), wait, _held)
         return None if wait else handle or Handle()
 
     @_locked
-    def pull(
-        self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True, wait: bool = True, *, _rescale: Optional[float] = None
-    ) -> Optional[Handle]:
+    def pull(self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True,
+             wait: bool = True, *, _rescale: Optional[float] = None) -> Optional[Handle]:
         """Copy the value of ``key``, as of every earlier push of this caller, into ``out`` (a tensor
         or a list; each gets the value; sparse ones: docs/SPEC.md, "Row-sparse"). ``wait=False``
         returns a :class:`~pskv.ps.tracker.Handle`; use ``out`` after its ``wait()``."""
-        groups = self._grouped(key, out, "out")
         kept: list[Group] = []
         skipped: list[Key] = []
-        for meta, outs in groups:
+        for meta, outs in self._grouped(key, out, "out"):
             dense_outs = [o for o in outs if not o.is_sparse]
             if meta.row_sparse and dense_outs:
                 raise errors.SparseError(f"{meta} is row-sparse; pull it with row_sparse_pull(key, out, row_ids), not into a dense out")
@@ -230,19 +212,15 @@ class KVStore:
             if outs:
                 kept.append((meta, outs))
         if skipped:
-            warnings.warn(
-                f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
-                "use row_sparse_pull to fetch rows",
-                UserWarning,
-                stacklevel=3,  # the caller of pull, past the lock's wrapper
-            )
+            # stacklevel: the caller of pull, past the lock's wrapper
+            warnings.warn(f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
+                          "use row_sparse_pull to fetch rows", UserWarning, stacklevel=3)
         handle = self._pull_impl(kept, int(priority), wait, _rescale) if kept else None
         return None if wait else handle or Handle()
 
     @_locked
-    def pushpull(
-        self, key: KeyArg, value: ValueArg, out: Optional[ValueArg] = None, priority: int = 0, wait: bool = True
-    ) -> Optional[Handle]:
+    def pushpull(self, key: KeyArg, value: ValueArg, out: Optional[ValueArg] = None, priority: int = 0,
+                 wait: bool = True) -> Optional[Handle]:
         """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into
         ``value``. ``wait=False``: both are sent without waiting; the handle is the pull's."""
         target = value if out is None else out
@@ -292,16 +270,14 @@ class KVStore:
         rows = rows.detach().to("cpu", torch.int64)
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= meta.shape[0]):
             raise errors.SparseError(f"{meta}: row_ids must be in [0, {meta.shape[0]}), got min {int(rows.min())}, max {int(rows.max())}")
-        unique: Tensor = torch.unique(rows)  # sorted
-        return unique
+        return cast(Tensor, torch.unique(rows))  # sorted
 
     @_locked
     def set_optimizer(self, optimizer: Optimizer) -> None:
         """Run ``optimizer`` on every push from now on (on the servers for dist types)."""
         if not isinstance(optimizer, Optimizer):
-            raise errors.OptimizerError(
-                f"set_optimizer takes a pskv.optim.Optimizer (pskv.optim.create(...)), got {type(optimizer).__name__}"
-            )
+            raise errors.OptimizerError("set_optimizer takes a pskv.optim.Optimizer "
+                                        f"(pskv.optim.create(...)), got {type(optimizer).__name__}")
         self._set_optimizer_impl(optimizer)
         self._optimizer = optimizer
 
@@ -324,9 +300,8 @@ class KVStore:
         state = load_states(fname)
         desc = state["optimizer"]
         if self._optimizer is not None and self._optimizer.name != desc.get("name"):
-            raise errors.OptimizerError(
-                f"the file holds {desc.get('name')!r} states but the store's optimizer is {self._optimizer.name!r}"
-            )
+            raise errors.OptimizerError(f"the file holds {desc.get('name')!r} states but the store's "
+                                        f"optimizer is {self._optimizer.name!r}")
         optimizer = self._optimizer or Optimizer.from_description(desc)
         self._load_optimizer_state(state, optimizer)
         self._optimizer = optimizer
@@ -368,17 +343,14 @@ class KVStore:
 
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         for meta, v in items:
-            stored = v.detach().to(self._device(v), copy=True)
-            self._values[meta.id] = stored.to_dense() if stored.is_sparse else stored
+            self._values[meta.id] = v.detach().to(self._device(v), copy=True).to_dense()  # a no-op if dense
 
     def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         for meta, values in items:
             comp = self._compressor
             if comp is not None:
-                values = [
-                    v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
-                    for i, v in enumerate(values)
-                ]
+                values = [v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
+                          for i, v in enumerate(values)]
             stored = self._values[meta.id]
             merged = reduce_values(values, self._device(values[0])).to(stored.device)
             apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True)  # merged is ours

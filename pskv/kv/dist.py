@@ -1,5 +1,4 @@
 """``dist_sync``, ``dist_device_sync``, ``dist_async``: a worker's store, backed by parameter servers.
-
 Each key is cut into parts (:mod:`pskv.ps.partition`); a call queues a row per part for each server's
 next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipeline and GPU path)."""
 
@@ -97,19 +96,17 @@ class DistStore(KVStore):
         for meta, value in items:
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=meta.row_numel, chunk=chunk)
-            flat = None
-            if self.rank == 0:  # worker 0's value is everyone's
-                dense = value.detach().to_dense() if value.is_sparse else value.detach()
-                flat = dense.to("cpu").contiguous().view(-1)
+            # worker 0's value is everyone's (to_dense: a no-op on a dense value)
+            flat = value.detach().to_dense().to("cpu").contiguous().view(-1) if self.rank == 0 else None
             for p in self._parts[meta.id]:
                 for s in self._client.holders(p.server):  # and its backup (PSKV_REPLICAS)
                     rows, frames = batches.setdefault(s, ([], []))
                     rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, repr(meta.key)])
                     if flat is not None:
                         frames.append(tensor_frame(flat[p.start : p.stop]))
-        mode = "async" if self._async else "sync"
-        msgs = {s: Message(Type.INIT, meta={"mode": mode, "parts": rows}, frames=frames) for s, (rows, frames) in batches.items()}
-        self._client.wait([self._client.send(s, msg, f"init of {len(msg.meta['parts'])} parts") for s, msg in msgs.items()])  # type: ignore[index]
+        head = {"mode": "async" if self._async else "sync"}
+        self._client.wait([self._client.send(s, Message(Type.INIT, meta={**head, "parts": rows}, frames=frames),
+                                             f"init of {len(rows)} parts") for s, (rows, frames) in batches.items()])
 
     def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         t0 = timeline.now()
@@ -126,15 +123,13 @@ class DistStore(KVStore):
         handle, sinks = self._sinks(outs)
         return self._done(self._queue_push(items, handle, sinks, wait, 0), wait)
 
-    def _queue_push(
-        self, items: list[Group], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]], borrow: bool, held: int
-    ) -> Handle:
+    def _queue_push(self, items: list[Group], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]],
+                    borrow: bool, held: int) -> Handle:
         """Queue the PUSH rows of ``items``; with ``sinks`` (pushpull), answered with the parts' values."""
         self._client.check()
         if self._async and self._optimizer is None:
-            raise errors.OptimizerRequiredError(
-                "dist_async applies each push on the servers, so it needs an optimizer: call set_optimizer first"
-            )
+            raise errors.OptimizerRequiredError("dist_async applies each push on the servers, so it needs an "
+                                                "optimizer: call set_optimizer first")
         for i, (meta, values) in enumerate(items):
             for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(sinks is not None)):
                 entry = (handle, None, None) if sinks is None else (handle, sinks[i](p), meta.dtype)
@@ -237,7 +232,6 @@ class DistStore(KVStore):
         """A handle for pulling ``items``, and per key where each part's answer goes: straight into
         the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
         copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
-
         @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
         def finish() -> None:  # in the caller's thread, once every part has arrived
             for meta, buf, outs in copies:
@@ -246,7 +240,6 @@ class DistStore(KVStore):
                 if any(o.is_cuda for o in outs):  # the pinned buffer is not written again before the copy is done
                     self._pinned[meta.id] = (buf, torch.cuda.Event())  # type: ignore[no-untyped-call]
                     self._pinned[meta.id][1].record()
-
         sinks = []
         for meta, outs in items:
             first = outs[0]
@@ -344,8 +337,7 @@ class DistStore(KVStore):
         return {"optimizer": desc, "num_update": num_update, "keys": keys}
 
     def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
-        entries: dict[int, list[dict[str, Any]]] = {s: [] for s in range(self.num_servers)}
-        frames: dict[int, list[Any]] = {s: [] for s in range(self.num_servers)}
+        batches: dict[int, tuple[list[Any], list[Any]]] = {s: ([], []) for s in range(self.num_servers)}
         by_id = {m.id: m for m in self._keys.values()}
         for kid, entry in state["keys"].items():
             meta = by_id.get(int(kid))
@@ -356,10 +348,11 @@ class DistStore(KVStore):
             flats = {n: entry["tensors"][n].to("cpu", meta.dtype).contiguous().view(-1) for n in names}
             for p in self._parts[meta.id]:
                 for s in self._client.holders(p.server):
-                    entries[s].append({"key": meta.id, "part": p.index, "step": step, "names": names})
-                    frames[s] += [tensor_frame(flats[n][p.start : p.stop]) for n in names]
+                    batches[s][0].append({"key": meta.id, "part": p.index, "step": step, "names": names})
+                    batches[s][1].extend(tensor_frame(flats[n][p.start : p.stop]) for n in names)
         head = {"optimizer": state["optimizer"], "num_update": int(state["num_update"])}
-        msgs = [Message(Type.SET_STATES, meta={**head, "parts": entries[s]}, frames=frames[s]) for s in entries]
+        msgs = [Message(Type.SET_STATES, meta={**head, "parts": rows}, frames=frames)
+                for rows, frames in batches.values()]
         self._to_servers(lambda s: msgs[s], "load_optimizer_states")
 
     def _set_compression_impl(self, compressor: Compressor) -> None:
