@@ -1,7 +1,6 @@
 """The wrapper of every server and worker that a cluster launcher starts, and of the scheduler
 that ``pskv launch`` runs here (docs/launchers/README.md, "pskv.launch.guard"). Standard library
-only, so it starts fast; the launcher shares its line pump, :func:`terminate` and :func:`exit_status`.
-"""
+only, so it starts fast; the launcher shares its line pump, :func:`terminate` and :func:`exit_status`."""
 
 from __future__ import annotations
 
@@ -137,8 +136,7 @@ class Guard:
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], name: str, prefix: str, grace: float):
         self.argv, self.env, self.name, self.prefix, self.grace = list(argv), dict(env), name, prefix, grace
-        self.stop_reason = ""
-        self.stop_signal = signal.SIGTERM
+        self.stop_reason, self.stop_signal = "", signal.SIGTERM
         self.stopping = threading.Event()
         self.lock = threading.Lock()
         # a session leader (ssh, Grid Engine) keeps COMMAND in its session; elsewhere it gets its own
@@ -146,8 +144,7 @@ class Guard:
 
     def say(self, text: str, named: bool = True) -> None:
         name = f"{self.name}: " if named and not self.prefix else ""
-        with self.lock, contextlib.suppress(OSError):
-            os.write(2, f"{self.prefix}pskv guard: {name}{text}\n".encode(errors="replace"))
+        self._write(2, [f"pskv guard: {name}{text}\n".encode(errors="replace")])
 
     def _write(self, fd: int, lines: list[bytes]) -> None:
         for line in lines:
@@ -258,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except GuardError as exc:
         print(f"pskv guard: {exc}", file=sys.stderr, flush=True)
         return 2
-    rank = env.get(ID_VARS[role], "?") if role in ID_VARS else "?"
+    rank = env.get(ID_VARS.get(role, ""), "?")
     name = f"{role} {rank}" if role in ID_VARS else role
     prefix = "[" + args.prefix.format(role=role, rank=rank, host=socket.gethostname()) + "] " if args.prefix else ""
     status = Guard(command, env, name, prefix, args.grace).run(args.watch_stdin)

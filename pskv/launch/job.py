@@ -66,6 +66,12 @@ class Proc:
                 if line.startswith("VmHWM:"):
                     self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024)
 
+    def stopped(self) -> bool:
+        """Whether it is stopped (SIGSTOP; Linux: state T in /proc)."""
+        with contextlib.suppress(OSError, IndexError), open(f"/proc/{self.popen.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+        return False
+
 
 @dataclass
 class Done:
@@ -74,15 +80,6 @@ class Done:
     name: str
     returncode: Optional[int]
     tail: list[str]
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (Linux: state T in /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
-        return False
 
 
 def failure_status(line: str) -> int:
@@ -95,10 +92,9 @@ def failure_status(line: str) -> int:
 def describe_exit(code: int) -> str:
     if code >= 0:
         return f"exited with status {code}"
-    try:
+    with contextlib.suppress(ValueError):
         return f"was killed by {signal.Signals(-code).name}"
-    except ValueError:
-        return f"was killed by signal {-code}"
+    return f"was killed by signal {-code}"
 
 
 class ProcessContext:
@@ -174,9 +170,9 @@ class ProcessContext:
                 for proc in self.procs:
                     proc.sample()
                 next_sample = time.monotonic() + 0.25
+            self._hear(lost)
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
-            self._hear(lost)
             failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
             # a lost worker or server is let go only once the job started (before, nothing can take over)
             workers = sum(p.name.startswith("worker ") and p not in lost for p, main in self.watched if main)
@@ -190,7 +186,7 @@ class ProcessContext:
                 continue
             if failed:
                 p, code = failed[0], failed[0].returncode or 0
-                self.stop_all()
+                self.stop_all()  # first: its readers' last lines may hold the guard's failure line
                 first = getattr(p, "failure", "")
                 cause = f" ({first})" if first else ""
                 self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
@@ -198,28 +194,26 @@ class ProcessContext:
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
             if any(p.name == "scheduler" and p.returncode == 0 for p in self.procs):  # the job is done
-                frozen = [p.name for p in self.procs if p.returncode is None and p not in lost and _stopped(p.popen.pid)]
+                frozen = [p.name for p in self.procs if p.returncode is None and p not in lost and p.stopped()]
                 if frozen:  # a stopped process can do no more work: waiting for it would never end
-                    self.stop_all()
-                    self.report(f"the job finished, but {', '.join(frozen)} is stopped (SIGSTOP?) and did not exit; stopped it")
-                    return 1
+                    return self._stop(1, f"the job finished, but {', '.join(frozen)} is stopped (SIGSTOP?) and did not exit; stopped it")
             alive = [p.name for p, main in self.watched if not main and p.returncode is None and p not in lost]
             if finished_at is not None and not alive:
                 left = [p.name for p in lost if p.returncode is None]
                 if left:  # stopped, or cut off: the scheduler declared them lost and the job went on
-                    self.stop_all()
-                    self.report(f"the job finished; stopped {', '.join(left)}, declared lost earlier")
+                    return self._stop(0, f"the job finished; stopped {', '.join(left)}, declared lost earlier")
                 self._drain()
                 return 0
             if finished_at is not None and time.monotonic() - finished_at > finish_timeout:
-                self.stop_all()
-                self.report(f"the workers finished but {', '.join(alive)} did not exit within {finish_timeout:g} s; stopped them")
-                return 1
+                return self._stop(1, f"the workers finished but {', '.join(alive)} did not exit within {finish_timeout:g} s; stopped them")
             if timeout is not None and time.monotonic() - started > timeout:
-                self.stop_all()
-                self.report(f"the job ran past its time limit of {timeout:g} s; stopped it")
-                return 124
+                return self._stop(124, f"the job ran past its time limit of {timeout:g} s; stopped it")
             time.sleep(0.05)
+
+    def _stop(self, status: int, text: str) -> int:
+        self.stop_all()
+        self.report(text)
+        return status
 
     def _hear(self, lost: list[Watched]) -> None:
         """What the scheduler says on its pipe: ``started``, ``lost <role> <rank>`` (the job goes on)."""
@@ -242,19 +236,16 @@ class ProcessContext:
             except Exception as exc:  # stopping the rest matters more
                 self.report(f"while stopping: {exc}")
         running = [p.popen for p in self.procs if p.returncode is None]
-        terminate(running, self._end, functools.partial(self._signal, sig=signal.SIGKILL), self.GRACE)
+        terminate(running, self._signal, functools.partial(self._signal, sig=signal.SIGKILL), self.GRACE)
         self._drain()
 
     @staticmethod
     def _signal(popen: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+        if sig == signal.SIGTERM and popen.stdin is not None:
+            popen.stdin.close()  # instead of SIGTERM: an ssh client then ends its remote side too
+            return
         with contextlib.suppress(OSError):
             os.killpg(popen.pid, sig)  # the group that start_new_session made
-
-    def _end(self, popen: subprocess.Popen[bytes]) -> None:
-        if popen.stdin is not None:
-            popen.stdin.close()
-        else:
-            self._signal(popen)
 
     def _drain(self) -> None:
         for p in self.procs:
@@ -293,7 +284,7 @@ class Backend:
     """How one launcher plans, starts and cancels the job's processes; by default, its :meth:`processes` here."""
 
     title = ""  # the heading of the --dry-run output
-    address: Optional[str] = None  # the scheduler runs here, bound to this; None: it runs elsewhere
+    address = ""  # the scheduler runs here, bound to this; "": it runs elsewhere
     guarded = True  # the scheduler runs under pskv.launch.guard --watch-stdin
     scheduler_show: Show = "prefix"
     slack = 0.0  # seconds added to --timeout (time in a queue)
@@ -331,7 +322,7 @@ class Backend:
 def run_job(spec: JobSpec, backend: Backend) -> int:
     """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``) until it ends or is submitted;
     the exit status. A bad option, tool or host raises :class:`LaunchError` before anything starts."""
-    here = bool(spec.num_servers) and backend.address is not None
+    here = bool(spec.num_servers and backend.address)
     if spec.dry_run:
         try:
             note = f"scheduler here, bound to {backend.address} (its port replaces DMLC_PS_ROOT_PORT=0 below)\n"
@@ -376,8 +367,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
 def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:
     """Start the scheduler here, bound to ``backend.address``; the port it reports through a pipe
     (``PSKV_PORT_FD``). :class:`LaunchError` if it exits first or takes over ``PSKV_START_TIMEOUT``."""
-    assert backend.address is not None
-    read_fd, write_fd = os.pipe()
+    # the port comes first on the pipe; "started" next, once every node registered (run_job closes it)
+    ctx.started_fd, write_fd = os.pipe()
     env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env, **spec.secret_env()}
     env["PSKV_PORT_FD"] = str(write_fd)
     guard = [sys.executable, "-m", "pskv.launch.guard", "--watch-stdin", "--"] if backend.guarded else []
@@ -387,14 +378,9 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int
     finally:
         os.close(write_fd)
     timeout = config.start_timeout()
-    try:
-        if not select.select([read_fd], [], [], timeout)[0]:
-            raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
-        data = os.read(read_fd, 64)  # one small write: the whole line, or EOF
-    except BaseException:
-        os.close(read_fd)
-        raise
-    ctx.started_fd = read_fd  # "started" comes next, once every node registered
+    if not select.select([ctx.started_fd], [], [], timeout)[0]:
+        raise LaunchError(f"the scheduler did not report its port within {timeout:g} s")
+    data = os.read(ctx.started_fd, 64)  # one small write: the whole line, or EOF
     if not data.strip():  # it closed the pipe without a port: it failed to start
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=5)
@@ -416,8 +402,7 @@ def write_private(path: str, text: str) -> None:
 
 def require_tool(name: str, launcher: str, hint: str = "") -> str:
     """The path of ``name`` on PATH, or a :class:`LaunchError` that says what is missing."""
-    path = shutil.which(name)
-    if path is None:
+    if (path := shutil.which(name)) is None:
         raise LaunchError(f"the {launcher} launcher needs `{name}`, which is not on PATH{'; ' + hint if hint else ''}")
     return path
 

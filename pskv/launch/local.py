@@ -22,8 +22,7 @@ class Local(Backend):
         self.scheduler_show: Show = "tail" if quiet else "prefix"  # quiet: keep only the last lines, for a failure report
 
     def processes(self, port: Optional[int]) -> list[Planned]:
-        spec, here, n = self.spec, self.address, self.spec.num_workers
-        show = self.scheduler_show
+        spec, here, n, show = self.spec, self.address, self.spec.num_workers, self.scheduler_show
         out = [
             Planned(f"server {s}", SERVE, spec.process_env("server", here, port, s, base=spec.environ), show=show)
             for s in range(spec.num_servers)
@@ -36,8 +35,7 @@ class Local(Backend):
         return out
 
     def close(self, status: Optional[int]) -> None:
-        path = {**self.spec.environ, **self.spec.env}.get("PSKV_TIMELINE")
-        if path:
+        if path := {**self.spec.environ, **self.spec.env}.get("PSKV_TIMELINE"):
             from ..ps import timeline  # not at the top: pskv.ps loads zmq
 
             timeline.merge(path)

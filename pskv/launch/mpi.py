@@ -15,24 +15,20 @@ from .spec import JobSpec, place, scheduler_address
 RANK_VARS = "OMPI_COMM_WORLD_RANK,PMI_RANK,PMIX_RANK"
 
 
-def mpi_flavor(mpirun: str) -> str:
-    """``"mpich"`` for a hydra (MPICH, Intel MPI, MVAPICH) as ``mpirun --version`` says, else ``"openmpi"``."""
-    res = run_quiet([mpirun, "--version"], timeout=60)
-    text = (res.stdout + res.stderr).upper()
-    hydra = any(name in text for name in ("HYDRA", "MPICH", "INTEL(R) MPI"))
-    return "mpich" if hydra and "OPEN MPI" not in text and "OPENRTE" not in text else "openmpi"
-
-
 class Mpi(Backend):
     def __init__(self, spec: JobSpec):
         super().__init__(spec)
         self.mpirun = require_tool("mpirun", "mpi", "install Open MPI (openmpi-bin) or MPICH")
-        self.flavor = mpi_flavor(self.mpirun)
+        # a hydra (MPICH, Intel MPI, MVAPICH), as `mpirun --version` says, else Open MPI
+        res = run_quiet([self.mpirun, "--version"], timeout=60)
+        text = (res.stdout + res.stderr).upper()
+        hydra = any(name in text for name in ("HYDRA", "MPICH", "INTEL(R) MPI"))
+        self.mpich = hydra and "OPEN MPI" not in text and "OPENRTE" not in text
         for h in spec.hosts:
             if h.port is not None:
                 raise LaunchError(f"hostfile entry {h}: mpirun cannot take an ssh port per host; set it in ~/.ssh/config instead")
         self.address = scheduler_address(spec.environ, [h.name.rpartition("@")[2] for h in spec.hosts])
-        self.title = f"pskv launch --launcher mpi ({self.flavor})"
+        self.title = f"pskv launch --launcher mpi ({'mpich' if self.mpich else 'openmpi'})"
         self.hostfile: Optional[str] = None
 
     def runs(self, role: str) -> list[tuple[Optional[str], int]]:
@@ -48,8 +44,7 @@ class Mpi(Backend):
         return "".join(f"{host}:{n}\n" for role in self.spec.roles() for host, n in self.runs(role))
 
     def processes(self, port: Optional[int]) -> list[Planned]:
-        spec, mpich = self.spec, self.flavor == "mpich"
-        assert self.address is not None
+        spec, mpich = self.spec, self.mpich
         argv = [self.mpirun]
         if spec.hosts and not mpich:
             argv.append("--oversubscribe")  # the placement below is the launcher's; slots are weights
@@ -62,8 +57,8 @@ class Mpi(Backend):
             argv += ["-f", self.hostfile]
         if spec.sync_dst_dir:
             argv += ["-wdir" if mpich else "--wdir", spec.sync_dst_dir]
-        contexts: list[list[str]] = []
         offset = 0
+        sep: list[str] = []  # between two app contexts: ":"
         for role in spec.roles():
             env = spec.process_env(role, self.address, port).items()
             env_args = [a for k, v in env for a in (["-env", k, v] if mpich else ["-x", f"{k}={v}"])]
@@ -73,10 +68,9 @@ class Mpi(Backend):
             guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}")
             for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
                 where = ["--host", host] if host else []
-                contexts.append(["-n" if mpich else "-np", str(n), *where, *env_args, *guarded])
+                argv += [*sep, "-n" if mpich else "-np", str(n), *where, *env_args, *guarded]
+                sep = [":"]
             offset += spec.count(role)
-        for i, context in enumerate(contexts):
-            argv += [":", *context] if i else context
         return [Planned("mpirun", argv, main=True, show="raw")]
 
     def plan(self, port: Optional[int]) -> str:

@@ -34,10 +34,8 @@ class Task:
         if self.code is None:
             with contextlib.suppress(OSError, ValueError), open(self.sge.spool.path(f"{self.role}.{self.rank}.status")) as f:
                 self.code = int(f.read())
-        lost = self.sge.lost(self.role) if self.code is None else ""
-        if lost:
-            self.name = f"{self.role} {self.rank} ({lost})"
-            self.code = 137
+        if self.code is None and (lost := self.sge.lost(self.role)):
+            self.name, self.code = f"{self.role} {self.rank} ({lost})", 137
         return self.code
 
     @property
@@ -66,7 +64,6 @@ class Sge(Backend):
     def submissions(self, port: Optional[int]) -> dict[str, list[str]]:
         """Write each role's job script; the ``qsub`` command of each."""
         spec = self.spec
-        assert self.address is not None
         out, secret_file = {}, {}
         if spec.secret:  # a file only this user reads, in the job's private directory
             secret_file["PSKV_SECRET_FILE"] = self.spool.path("secret")

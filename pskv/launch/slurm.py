@@ -22,11 +22,8 @@ def allocation_nodes(environ: Mapping[str, str]) -> list[str]:
     if "[" not in nodelist:
         return [n for n in nodelist.split(",") if n]
     scontrol = shutil.which("scontrol")
-    if scontrol:
-        res = run_quiet([scontrol, "show", "hostnames", nodelist], timeout=30)
-        if res.returncode == 0:
-            return res.stdout.split()
-    return []
+    res = run_quiet([scontrol, "show", "hostnames", nodelist], timeout=30) if scontrol else None
+    return res.stdout.split() if res and res.returncode == 0 else []
 
 
 class Srun(Backend):
@@ -42,7 +39,6 @@ class Srun(Backend):
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec = self.spec
-        assert self.address is not None
         out = []
         for role in spec.roles():
             argv = [self.srun, "--overlap", f"--ntasks={spec.count(role)}", "--kill-on-bad-exit=1", f"--job-name={spec.name}-{role}"]
@@ -101,8 +97,7 @@ class Sbatch(Backend):
             ctx.report(f"submitted Slurm job {self.job_id} ({jobs}); its output follows")
 
     def cancel(self, ctx: ProcessContext) -> None:
-        scancel = shutil.which("scancel")
-        if scancel is not None:
+        if (scancel := shutil.which("scancel")) is not None:
             run_quiet([scancel, self.job_id or f"--name={self.spec.name}"], timeout=60)
             ctx.report(f"cancelled Slurm job {self.job_id or self.spec.name}")
 

@@ -113,11 +113,9 @@ def scheduler_address(environ: Mapping[str, str], towards: Sequence[str] = ()) -
     hosts (docs/launchers/README.md, "Where the scheduler runs")."""
     from ..ps.node import interface_address, route_address
 
-    node_host = environ.get("DMLC_NODE_HOST", "").strip()
-    if node_host:
+    if node_host := environ.get("DMLC_NODE_HOST", "").strip():
         return node_host
-    interface = environ.get("DMLC_INTERFACE", "").strip()
-    if interface:
+    if interface := environ.get("DMLC_INTERFACE", "").strip():
         try:
             return interface_address(interface)
         except Exception as exc:
@@ -222,8 +220,7 @@ def free_port() -> int:
     """A port of 127.0.0.1 that was free a moment ago (for ``MASTER_PORT`` only)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+        return int(s.getsockname()[1])
 
 
 def check_env_names(env: Mapping[str, str]) -> None:

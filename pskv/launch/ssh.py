@@ -82,10 +82,7 @@ def rsync_argv(spec: JobSpec, host: Host, dst: str) -> list[str]:
 
 def distinct(dests: dict[Host, Destination]) -> list[Host]:
     """The first host name of each destination."""
-    first: dict[Destination, Host] = {}
-    for h, d in dests.items():
-        first.setdefault(d, h)
-    return list(first.values())
+    return [h for i, (h, d) in enumerate(dests.items()) if d not in list(dests.values())[:i]]
 
 
 def reach(spec: JobSpec, dests: dict[Host, Destination]) -> None:
@@ -122,11 +119,11 @@ class Ssh(Backend):
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec = self.spec
-        assert self.address is not None
         workers = place(spec.num_workers, spec.hosts)
         per_dest = Counter(self.dests[h] for h in workers)  # workers on each machine
         master = {"MASTER_ADDR": self.dests[workers[0]].hostname, "MASTER_PORT": str(free_port())}
-        started: dict[Destination, int] = {}  # clients started to each machine so far
+        started: Counter[Destination] = Counter()  # clients started to each machine so far
+        secret = ["--secret-stdin"] if spec.secret else []  # not on the remote command line
         out = []
         for role, hosts in (("server", place(spec.num_servers, spec.hosts)), ("worker", workers)):
             for rank, h in enumerate(hosts):
@@ -135,13 +132,11 @@ class Ssh(Backend):
                 local_rank = sum(self.dests[w] == dest for w in workers[:rank])
                 torch = {"LOCAL_RANK": str(local_rank), "LOCAL_WORLD_SIZE": str(n), **master} if n else {}
                 env = spec.process_env(role, self.address, port, rank, torch=torch)
-                secret = ["--secret-stdin"] if spec.secret else []  # not on the remote command line
                 guard = spec.guarded(role, "--watch-stdin", *secret, "--workers-here", str(n), "--grace", REMOTE_GRACE)
-                wave = started.get(dest, 0)
-                started[dest] = wave + 1
-                delay = STARTUP_PAUSE if wave and wave % STARTUP_WAVE == 0 else 0.0
-                remote = shell_command(guard, env, self.cwd)
-                out.append(Planned(f"{role} {rank}@{h}", ssh_argv(spec, h, remote), main=role == "worker", stdin="secret" if secret else "pipe", delay=delay))
+                delay = STARTUP_PAUSE if started[dest] and started[dest] % STARTUP_WAVE == 0 else 0.0
+                started[dest] += 1
+                argv = ssh_argv(spec, h, shell_command(guard, env, self.cwd))
+                out.append(Planned(f"{role} {rank}@{h}", argv, main=role == "worker", stdin="secret" if secret else "pipe", delay=delay))
         return out
 
 
