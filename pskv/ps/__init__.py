@@ -1,8 +1,5 @@
-"""The parameter-server system: scheduler, servers and the worker's client.
-
-``serve()`` runs the scheduler or a server as the ``DMLC_*`` environment says; ``pskv serve``,
-``python -m pskv serve`` and ``pskv.kv.create("dist...")`` in a server/scheduler process call it.
-"""
+"""The parameter-server system: scheduler, servers and the worker's client. ``serve()`` runs the scheduler or
+a server as the ``DMLC_*`` environment says (``pskv serve``, ``pskv.kv.create("dist...")`` in such a process)."""
 
 from __future__ import annotations
 
@@ -19,11 +16,9 @@ def serve(env: Optional[JobEnv] = None) -> int:
         env = env or JobEnv.from_environ()
         if env.role == "scheduler":
             from .scheduler import Scheduler
-
             return Scheduler(env).run()
         if env.role == "server":
             from .server import Server
-
             return Server(env).run()
     except PSKVError as exc:
         print(f"pskv serve: {exc}", file=sys.stderr, flush=True)

@@ -1,5 +1,5 @@
-"""The worker's side of the parameter-server system: sending requests (a whole message, or a row per
-part queued for each server's next PUSH or PULL) and receiving answers (docs/DESIGN.md, "Threads of a worker")."""
+"""The worker's side: requests (a whole message, or a row per part queued for each server's next PUSH
+or PULL) and their answers (docs/DESIGN.md, "Threads of a worker")."""
 
 from __future__ import annotations
 
@@ -68,8 +68,7 @@ class WorkerClient(Node):
         return len(self.servers)
 
     def start(self) -> None:
-        """Join the job (blocks until every node registered), start the I/O thread, say HELLO,
-        and share memory with the servers on this host (``PSKV_SHM``)."""
+        """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
         self.join(None)
         self._batch_bytes = config.batch_bytes(self.across_hosts)
         if not self.servers:
@@ -97,11 +96,8 @@ class WorkerClient(Node):
                 if want == "1":
                     raise ClusterError(f"PSKV_SHM=1, but shared memory with server {s} failed: {exc}") from None
 
-    # -- sending ----------------------------------------------------------------------------------
-
     def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Handle:
-        """Send one whole message to server ``to`` (or :data:`SCHEDULER`); a handle to wait on.
-        ``what`` names it in errors; ``on_reply(answer)`` runs with the answer."""
+        """Send one whole message to server ``to`` (or :data:`SCHEDULER`); ``what`` names it in errors."""
         self._check_open()
         handle = Handle(self.tracker)
         parts = len((msg.meta or {}).get("parts", [])) if msg.type in BATCHED else 1  # INIT: answered part by part
@@ -118,11 +114,9 @@ class WorkerClient(Node):
             self._transmit(f"{peer}/tx", msg, req)
         return handle
 
-    # -- replicas: each part also at the next server, which gets every push (docs/DESIGN.md) ----------
-
     def holders(self, server: int) -> list[int]:
-        """The live servers that keep the parts placed on ``server``: it (or, once it is lost, its
-        backup), then its backup while both live (``PSKV_REPLICAS=1``)."""
+        """The live servers that keep ``server``'s parts: it (once lost, its backup), then its backup if live
+        (``PSKV_REPLICAS=1``: the next server keeps each part too and gets every push; docs/DESIGN.md)."""
         backup = (server + 1) % self.num_servers
         if server in self.lost_servers:
             return [backup]
@@ -132,8 +126,8 @@ class WorkerClient(Node):
         return [s for s in range(self.num_servers) if s not in self.lost_servers]
 
     def _failover(self, lost: int) -> None:
-        """Server ``lost`` is gone (the scheduler says its backup has every part of it): what was
-        queued for it, or sent and not answered, goes to the backup as pulls (it got the pushes)."""
+        """Server ``lost`` is gone: what was queued for it, or sent and not answered, goes to its backup
+        as pulls (the backup got the pushes)."""
         with self._lock:
             self.lost_servers.add(lost)
             unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
@@ -155,15 +149,12 @@ class WorkerClient(Node):
             entry[0]._settle()
 
     def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None) -> None:
-        """Add a part's ``row`` and payload ``frames`` to ``server``'s next ``kind`` (PUSH or PULL)
-        message, for the call of ``entry``. Sent by :meth:`flush` (after the CUDA event ``ready``:
-        the bytes are being copied from a GPU), or at once when the server's queued bytes reach
-        ``PSKV_BATCH_BYTES``. With a replica, a push goes to the part's backup too (acknowledged,
-        not answered), and so does a pull's rescale."""
+        """Add a part's ``row`` and ``frames`` to ``server``'s next ``kind`` message, sent by :meth:`flush`
+        (after the CUDA event ``ready``) or once the queued bytes reach ``PSKV_BATCH_BYTES``. With a
+        replica, a push and a pull's rescale go to the backup too (acknowledged, not answered)."""
         self._check_open()
         with self._lock:
-            holders = self.holders(server)
-            for i, s in enumerate(holders):
+            for i, s in enumerate(self.holders(server)):
                 if i:
                     if kind == Type.PULL and not row[5]:
                         break  # a pull without a rescale: the backup has nothing to learn from it
@@ -175,9 +166,8 @@ class WorkerClient(Node):
                     self.flush([s])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
-        """Send the queued rows of ``servers`` (all by default), a PUSH then a PULL message each;
-        ``soon``: the I/O thread will (rows queued meanwhile join them). A push with frames adds
-        to its calls' ``Handle.sent`` the wait for the moment its payload buffers may be reused."""
+        """Send the queued rows of ``servers`` (all by default): a PUSH, then a PULL message each; ``soon``:
+        the I/O thread will (rows queued meanwhile join them)."""
         if soon:
             self._last_queued = time.monotonic()
             if self._first_queued is None:
@@ -219,17 +209,15 @@ class WorkerClient(Node):
             return None
 
     def _pump(self, timeout: float) -> None:
-        """Receive and handle the servers' answers for up to ``timeout`` s, unless another thread
-        does (then wait a little: it handles ours too)."""
+        """Receive and handle answers for up to ``timeout`` s, unless another thread does (it handles ours too)."""
         if not self._receiving.acquire(timeout=timeout):
             return
         try:
             if self.data.closed:
                 time.sleep(timeout)
                 return
-            received = self.data.recv(timeout)
             with torch.no_grad():  # pulled values go into tensors that may require grad
-                for peer, msg in received:
+                for peer, msg in self.data.recv(timeout):
                     if isinstance(msg, Exception):  # (the servers' connections are not watched: no PeerGone)
                         print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
                         continue
@@ -245,10 +233,8 @@ class WorkerClient(Node):
         if self.tracker.fatal is not None:
             self.check()
 
-    # -- waiting ------------------------------------------------------------------------------------
-
     def handle(self, finish: Optional[Callable[[], None]] = None) -> Handle:
-        """A handle for a call whose rows are about to be queued (waiting for it flushes them)."""
+        """A handle for a call whose rows are about to be queued (waiting on it flushes them)."""
         return Handle(self.tracker, finish, self.flush)
 
     def check(self) -> None:
@@ -270,16 +256,13 @@ class WorkerClient(Node):
                     raise DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
 
     def barrier(self, group: str = "worker", value: Any = NOTHING) -> list[Any]:
-        """Block until every node of ``group`` reaches a barrier. It may carry a small JSON
-        ``value``: every member's is returned, by rank ([] when none carried one)."""
+        """Block until every node of ``group`` reaches it; every member's JSON ``value``, by rank ([]: none)."""
         got: list[Any] = []
         meta = {"group": group} if value is NOTHING else {"group": group, "value": value}
         self.send(SCHEDULER, Message(Type.BARRIER, meta=meta), f"barrier of the {group}s", lambda m: got.extend((m.meta or {}).get("values", []))).wait()
         return got
 
     def close(self) -> None:
-        """Send what is queued, wait for what is outstanding, tell the scheduler this worker is
-        done, stop the I/O thread."""
         if self._thread is None or self._stop:
             return
         try:
@@ -299,9 +282,8 @@ class WorkerClient(Node):
             with self._receiving:
                 self.data.close(linger=2.0)
 
-    # -- I/O thread -----------------------------------------------------------------------------------
-
     def _loop(self) -> None:
+        """The I/O thread: the scheduler's connection, heartbeats, deadlines, rows queued without waiting."""
         try:
             while not self._stop:
                 self._send_queued()

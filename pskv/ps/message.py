@@ -65,8 +65,7 @@ class Layout:
     """A table of int64 rows with named columns: the index frame of a batched message."""
 
     def __init__(self, name: str, *columns: str):
-        self.name = name
-        self.width = len(columns)
+        self.name, self.width = name, len(columns)
         self._make: Callable[[Iterable[int]], Any] = namedtuple(name, columns)._make  # type: ignore[attr-defined]
 
     def pack(self, rows: Sequence[Sequence[int]]) -> bytes:
@@ -129,7 +128,6 @@ class Message:
     frames: list[Buffer] = field(default_factory=list)
 
     def reply(self, type: Type, meta: dict[str, Any] | None = None, frames: list[Buffer] | None = None) -> Message:
-        """A reply to this message (same request id)."""
         return Message(type, self.req_id, meta, frames or [])
 
     def __str__(self) -> str:
@@ -137,7 +135,6 @@ class Message:
 
 
 def encode(msg: Message) -> list[Buffer]:
-    """The frames to send for ``msg``."""
     meta = b"" if msg.meta is None else json.dumps(msg.meta, separators=(",", ":"), allow_nan=False).encode()
     if len(meta) > MAX_META:
         raise ProtocolError(f"metadata of {msg} is {len(meta)} bytes; at most {MAX_META}")
@@ -165,8 +162,7 @@ def decode(frames: Sequence[Buffer]) -> Message:
         kind = Type(mtype)
     except ValueError:
         raise ProtocolError(f"unknown message type {mtype}") from None
-    meta = None
-    rest = list(frames[1:])
+    meta, rest = None, list(frames[1:])
     if meta_len:
         if meta_len > MAX_META or not rest:
             raise ProtocolError(f"metadata length {meta_len} without a metadata frame or over {MAX_META}")
@@ -187,13 +183,10 @@ def error_reply(request: Message | None, exc: BaseException) -> Message:
     return Message(Type.ERROR, request.req_id if request else 0, {"kind": type(exc).__name__, "message": str(exc)})
 
 
-# -- tensors <-> frames (torch imported lazily) --------------------------------------------------
-
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool", "complex64", "complex128")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (one of :data:`DTYPES`)."""
     name = str(dtype).removeprefix("torch.")
     if name not in DTYPES:
         raise ProtocolError(f"dtype {dtype} cannot travel; supported: {', '.join(DTYPES)}")
@@ -201,9 +194,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: object) -> torch.dtype:
-    """The torch dtype named ``name``, for names in :data:`DTYPES` only."""
     import torch
-
     if not isinstance(name, str) or name not in DTYPES:
         raise ProtocolError(f"unsupported dtype {name!r}")
     dtype: torch.dtype = getattr(torch, name)
@@ -213,7 +204,6 @@ def torch_dtype(name: object) -> torch.dtype:
 def tensor_frame(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     import torch
-
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("tensor_frame needs a contiguous CPU tensor")
     view: Any = t.reshape(-1).view(torch.uint8).numpy()
@@ -223,7 +213,6 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
     """A 1-D tensor over ``frame``'s bytes (no copy) of exactly ``numel`` elements (None: any number)."""
     import torch
-
     buf = _buf(frame)
     itemsize = dtype.itemsize
     if numel is None:

@@ -17,9 +17,8 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, NodeFailedError, deadline, from_reply, node_failed
 from .message import Message, Type
-from .van import PeerGone, PeerUnreachable, Received, Van
+from .van import ROLES, PeerGone, PeerUnreachable, Received, Van
 
-ROLES = ("scheduler", "server", "worker")
 _LOOPBACK = ("127.", "localhost", "::1")
 _LAUNCH = "start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`"
 
@@ -65,10 +64,8 @@ class JobEnv:
         if not uri:
             raise ClusterError("DMLC_PS_ROOT_URI (the scheduler's address) is not set")
         port = 0 if uri.startswith("inproc://") else _int(env, "DMLC_PS_ROOT_PORT", 0)
-        workers = _int(env, "DMLC_NUM_WORKER", 1)
-        servers = _int(env, "DMLC_NUM_SERVER", 0)
-        wid = _int(env, "DMLC_WORKER_ID", 0, required=False)
-        sid = _int(env, "DMLC_SERVER_ID", 0, required=False)
+        workers, servers = _int(env, "DMLC_NUM_WORKER", 1), _int(env, "DMLC_NUM_SERVER", 0)
+        wid, sid = _int(env, "DMLC_WORKER_ID", 0, required=False), _int(env, "DMLC_SERVER_ID", 0, required=False)
         assert port is not None and workers is not None and servers is not None
         if role == "worker" and wid is not None and wid >= workers:
             raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
@@ -108,7 +105,6 @@ class JobEnv:
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface ``name`` (Linux)."""
     import fcntl
-
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
@@ -122,8 +118,7 @@ def route_address(remote: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.connect((remote, 9))
-            addr: str = s.getsockname()[0]
-            return addr
+            return str(s.getsockname()[0])
         except OSError:
             return socket.gethostbyname(socket.gethostname())
 
@@ -151,23 +146,20 @@ def host_identity() -> str:
 
 
 class Node:
-    """This process's seat in a job: its van, rank, the node table, heartbeats to the scheduler.
-
-    Owned by one thread (the server's loop or the worker client's I/O thread).
-    """
+    """This process's seat in a job: its van, rank, the node table, heartbeats to the scheduler. Owned
+    by one thread (the server's loop or the worker client's I/O thread)."""
 
     def __init__(self, env: JobEnv):
         self.env = env
         self.role = env.role
         self.van = Van(env.role)
         watch_launcher(self.van)
-        asked = env.worker_id if env.role == "worker" else env.server_id
-        self.van.identity = (env.role, -1 if asked is None else asked)
+        self.asked = env.worker_id if env.role == "worker" else env.server_id  # the rank asked for (None: any)
+        self.van.identity = (env.role, -1 if self.asked is None else self.asked)
         self.rank = -1
         self.servers: list[dict[str, Any]] = []
         self.workers: list[dict[str, Any]] = []
-        self.hb_interval = config.heartbeat_interval()
-        self.hb_timeout = config.heartbeat_timeout()
+        self.hb_interval, self.hb_timeout = config.heartbeat_interval(), config.heartbeat_timeout()
         self._next_hb = 0.0
         self.last_heard = time.monotonic()  # from the scheduler
 
@@ -177,18 +169,12 @@ class Node:
         return len({n.get("host") for n in [*self.servers, *self.workers]}) > 1
 
     def join(self, endpoint: Optional[str]) -> list[Received]:
-        """Register with the scheduler and wait for the node table (``PSKV_START_TIMEOUT``); the
-        messages from other nodes that arrived meanwhile."""
+        """Register and wait for the node table (``PSKV_START_TIMEOUT``); what other nodes sent meanwhile."""
         env = self.env
         self.van.connect("scheduler", env.scheduler_endpoint, watch=True)
         meta: dict[str, Any] = {
-            "role": self.role,
-            "endpoint": endpoint,
-            "host": "inproc" if env.inproc else env.advertised_host(),
-            "hostname": socket.gethostname(),
-            "pid": os.getpid(),
-            "shm_host": host_identity(),
-            "id": env.worker_id if self.role == "worker" else env.server_id,  # None: the scheduler picks
+            "role": self.role, "endpoint": endpoint, "host": "inproc" if env.inproc else env.advertised_host(),
+            "hostname": socket.gethostname(), "pid": os.getpid(), "shm_host": host_identity(), "id": self.asked,
         }
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
@@ -212,8 +198,7 @@ class Node:
                     table = msg.meta or {}
                     self.rank = int(table["rank"])
                     self.van.identity = (self.role, self.rank)
-                    self.servers = list(table["servers"])
-                    self.workers = list(table["workers"])
+                    self.servers, self.workers = list(table["servers"]), list(table["workers"])
                     self.last_heard = time.monotonic()
                     return early
 
@@ -229,10 +214,8 @@ class Node:
                 self.van.send("scheduler", Message(Type.HEARTBEAT))
         silent = self.van.polled - self.last_heard  # not ``now``: what waits unread is not silence
         if silent > self.hb_timeout:
-            raise NodeFailedError(
-                f"the scheduler at {self.env.scheduler_endpoint} has not answered for {silent:.1f} s "
-                f"(PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}); it is presumed dead"
-            )
+            raise NodeFailedError(f"the scheduler at {self.env.scheduler_endpoint} has not answered for {silent:.1f} s "
+                                  f"(PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}); it is presumed dead")
 
     def lost(self, peer: str) -> NodeFailedError:
         """The error for the end of a watched connection (the scheduler's) or of the launcher's lifeline."""

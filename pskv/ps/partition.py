@@ -34,13 +34,10 @@ def server_of(key: int, num_servers: int) -> int:
     return (h * num_servers) >> 64
 
 
-def place(
-    key: int, numel: int, num_servers: int, bound: int, row_numel: int = 1, chunk: Optional[int] = None
-) -> list[Part]:
-    """The parts of ``key`` (``numel`` elements; rows of ``row_numel`` elements stay whole).
-
-    ``chunk`` (elements) cuts each server's slice further; ``None`` keeps one part per server.
-    """
+def place(key: int, numel: int, num_servers: int, bound: int, row_numel: int = 1,
+          chunk: Optional[int] = None) -> list[Part]:
+    """The parts of ``key`` (``numel`` elements; rows of ``row_numel`` elements stay whole); ``chunk``
+    (elements) cuts each server's slice further (``None``: one part per server)."""
     if num_servers < 1:
         raise ValueError(f"num_servers must be >= 1, got {num_servers}")
     if numel < bound or num_servers == 1:

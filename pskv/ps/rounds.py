@@ -116,12 +116,9 @@ class Part:
 
 
 class Rounds:
-    """Every part one server holds, its rounds and the requests that wait on them. Single-threaded.
-
-    Each method checks a whole request before changing anything and returns the answers to send
-    now. ``storage(part)`` makes room for a part's value (``rows x row_numel``); ``timeout`` is
-    how long a request may wait (``PSKV_TIMEOUT``).
-    """
+    """Every part one server holds, its rounds and the requests that wait on them. Single-threaded: each
+    method checks a whole request before changing anything and returns the answers to send now.
+    ``storage(part)`` makes room for a part's value (``rows x row_numel``); ``timeout``: ``PSKV_TIMEOUT``."""
 
     def __init__(self, num_workers: int, timeout: float, storage: Optional[Callable[[Part], Tensor]] = None):
         self.workers = list(range(num_workers))  # those whose pushes a round sums
@@ -138,11 +135,8 @@ class Rounds:
             raise KeyNotInitializedError(f"key {key} part {index} was never initialised on this server")
         return p
 
-    # -- init -------------------------------------------------------------------------------------
-
     def init(self, req: Any, rank: int, mode: str, entries: list[InitEntry]) -> list[Answer]:
-        """Declare parts of a ``mode`` ("sync" or "async") store (and, from worker 0, set their
-        values); each entry is answered once its value is there."""
+        """Declare parts of a ``mode`` store (worker 0 sets their values); each is answered once it has its value."""
         if mode not in ("sync", "async"):
             raise ProtocolError(f"INIT for a store of mode {mode!r}")
         for e in entries:
@@ -154,11 +148,9 @@ class Rounds:
             if p is None:
                 continue
             if (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
-                raise ShapeMismatchError(
-                    f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} ({mode}), "
-                    f"another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must create the same store type "
-                    "and init the same keys in the same order"
-                )
+                raise ShapeMismatchError(f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} "
+                                         f"({mode}), another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must "
+                                         "create the same store type and init the same keys in the same order")
             if rank in p.initialised_by:
                 raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []
@@ -174,8 +166,6 @@ class Rounds:
                 p.inits = []
         return out
 
-    # -- push -------------------------------------------------------------------------------------
-
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
         """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
@@ -184,9 +174,8 @@ class Rounds:
             if e.reply and (blocker := self._blocker(p, e.round)):
                 raise blocker
             if p.mode == "async" and self.optimizer is None:
-                raise OptimizerRequiredError(
-                    f"key {p.name}: dist_async applies pushes on the servers and needs an optimizer; call set_optimizer first"
-                )
+                raise OptimizerRequiredError(f"key {p.name}: dist_async applies pushes on the servers and needs an "
+                                             "optimizer; call set_optimizer first")
             if p.mode == "sync" and rank in self.finished:
                 raise NodeFailedError(f"worker {rank} pushed after it finished")
             if rank not in self.workers:
@@ -237,9 +226,8 @@ class Rounds:
         return out
 
     def _merge(self, p: Part, grads: list[Tensor]) -> Optional[Tensor]:
-        """Sum one push of every worker: into the value itself when it replaces it (no optimizer,
-        dense: one pass, and None is returned), else into the part's scratch buffer, where the
-        optimizer then works without full-size temporaries."""
+        """Sum one push of every worker: into the value itself when it replaces it (no optimizer, dense:
+        None is returned), else into the part's scratch buffer (the optimizer needs no full-size temporaries)."""
         assert p.value is not None
         if any(g.is_sparse for g in grads):
             if not all(g.is_sparse for g in grads):
@@ -263,8 +251,6 @@ class Rounds:
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
         return [self._answer(p, w) for w in ready]
 
-    # -- pull -------------------------------------------------------------------------------------
-
     def pull(self, req: Any, rank: int, entries: list[PullEntry]) -> list[Answer]:
         """Answer each entry now if its round is complete (async: always), else when it is."""
         for e in entries:
@@ -285,13 +271,12 @@ class Rounds:
                 out += self._complete(p)
             elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
-            w = Waiting(req, i, e.round, e.rows)
             if e.mirror:
                 out.append(Answer(req, i))
-            elif e.part.mode == "async" or e.round <= e.part.rounds:
-                out.append(self._answer(e.part, w))
+            elif p.mode == "async" or e.round <= p.rounds:
+                out.append(self._answer(p, Waiting(req, i, e.round, e.rows)))
             else:
-                e.part.pulls.append(w)
+                p.pulls.append(Waiting(req, i, e.round, e.rows))
         return out
 
     def _answer(self, p: Part, w: Waiting) -> Answer:
@@ -302,14 +287,10 @@ class Rounds:
             return Answer(w.req, w.entry, p.value.clone())
         return Answer(w.req, w.entry, p.value, part=p)
 
-    # -- rounds that cannot complete ---------------------------------------------------------------
-
     def _blocker(self, p: Part, round: int) -> Optional[NodeFailedError]:
         """Why ``round`` of ``p`` can never complete (a worker finished without pushing it), or None."""
-        missing = [r for r in sorted(self.finished) if p.pushed.get(r, 0) < round]
-        if not missing:
-            return None
-        return finished_without(", ".join(f"worker {r}" for r in missing), f"pushing key {p.name} for round {round - 1}")
+        missing = ", ".join(f"worker {r}" for r in sorted(self.finished) if p.pushed.get(r, 0) < round)
+        return finished_without(missing, f"pushing key {p.name} for round {round - 1}") if missing else None
 
     def _fail_blocked(self, p: Part) -> list[Answer]:
         """Fail the pulls and merge-acknowledgements of ``p`` that wait for a round that cannot come."""
@@ -373,11 +354,9 @@ class Rounds:
             p.queued.clear()
         return out
 
-    # -- optimizer ----------------------------------------------------------------------------------
-
     def set_optimizer(self, desc: Any, keep_states: bool) -> None:
-        """Install the optimizer ``desc`` describes (the same again: nothing changes); its states
-        are kept with ``keep_states`` (new hyperparameters), else they start afresh."""
+        """Install the optimizer ``desc`` describes (the same again: nothing changes), keeping its states
+        with ``keep_states`` (new hyperparameters)."""
         new = Optimizer.from_description(desc)
         cur = self.optimizer
         if cur is not None and cur.describe() == new.describe():

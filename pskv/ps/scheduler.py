@@ -54,8 +54,7 @@ class Scheduler:
         self.started = False
         self.barriers: dict[str, _Barrier] = {}
         self.status: Optional[int] = None
-        self.timeout = config.timeout()
-        self.hb_timeout = config.heartbeat_timeout()
+        self.timeout, self.hb_timeout = config.timeout(), config.heartbeat_timeout()
         self.min_workers, self.replicas = config.min_workers(), config.replicas()
         self._pipe: Optional[IO[str]] = None  # to pskv launch (PSKV_PORT_FD)
 
@@ -77,11 +76,14 @@ class Scheduler:
             if node.role in roles and not node.finished:
                 self._send(node, msg)
 
-    # -- main loop --------------------------------------------------------------------------------
-
     def run(self) -> int:
         bound = self.van.listen(self.env.scheduler_endpoint, max_frame=MAX_META)
-        self._report_port(bound)
+        # tell pskv launch (PSKV_PORT_FD) our port; later, that the job started (from then on it may go on
+        # without a lost node: --replicas, --min-workers), and which nodes were lost
+        fd = os.environ.get("PSKV_PORT_FD")
+        if fd and not self.env.inproc:
+            self._pipe = os.fdopen(int(fd), "w")
+            self._tell(bound.rsplit(":", 1)[1])
         say("scheduler", f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
         start_deadline = time.monotonic() + config.start_timeout()
         try:
@@ -89,14 +91,13 @@ class Scheduler:
                 for peer, msg in self.van.recv(0.25):
                     if isinstance(msg, PeerGone):
                         self._gone(peer)
-                        continue
-                    if isinstance(msg, Exception):
+                    elif isinstance(msg, Exception):
                         self.van.send(peer, error_reply(None, msg))
-                        continue
-                    try:
-                        self._handle(peer, msg)
-                    except ClusterError as exc:
-                        self.van.send(peer, error_reply(msg, exc))
+                    else:
+                        try:
+                            self._handle(peer, msg)
+                        except ClusterError as exc:
+                            self.van.send(peer, error_reply(msg, exc))
                 now = time.monotonic()
                 if not self.started and now > start_deadline:
                     self._fail_start()
@@ -107,14 +108,6 @@ class Scheduler:
             self.van.close(linger=2.0)
         say("scheduler", f"exiting with status {self.status}")
         return self.status
-
-    def _report_port(self, bound: str) -> None:
-        """Tell ``pskv launch`` the port we got (it passes a pipe in ``PSKV_PORT_FD``); later, that
-        the job started (from then on it may go on without a lost node: ``--replicas``, ``--min-workers``)."""
-        fd = os.environ.get("PSKV_PORT_FD")
-        if fd and not self.env.inproc:
-            self._pipe = os.fdopen(int(fd), "w")
-            self._tell(bound.rsplit(":", 1)[1])
 
     def _tell(self, line: str) -> None:
         if self._pipe is not None:
@@ -140,8 +133,6 @@ class Scheduler:
         else:
             raise ClusterError(f"the scheduler does not handle {msg.type.name}")
 
-    # -- registration -----------------------------------------------------------------------------
-
     def _register(self, peer: str, msg: Message) -> None:
         meta = msg.meta or {}
         role = meta.get("role")
@@ -149,9 +140,8 @@ class Scheduler:
             raise ClusterError(f"cannot register role {role!r}")
         want = self.env.num_servers if role == "server" else self.env.num_workers
         if self.started or len(self._members(role)) >= want:
-            raise ClusterError(
-                f"the job already has its {want} {role}s; refusing {role} from host {meta.get('host')} pid {meta.get('pid')}"
-            )
+            raise ClusterError(f"the job already has its {want} {role}s; refusing {role} from host {meta.get('host')} "
+                               f"pid {meta.get('pid')}")
         wanted = meta.get("id")
         if wanted is not None:
             if not isinstance(wanted, int) or not 0 <= wanted < want:
@@ -170,10 +160,7 @@ class Scheduler:
             free = iter(r for r in range(len(nodes)) if r not in taken)
             for n in nodes:
                 n.rank = n.meta["id"] if n.meta.get("id") is not None else next(free)
-        table = {
-            "servers": [n.info() for n in self._members("server")],
-            "workers": [n.info() for n in self._members("worker")],
-        }
+        table = {f"{role}s": [n.info() for n in self._members(role)] for role in ("server", "worker")}
         for n in self.nodes.values():
             n.last_seen = time.monotonic()
             self._send(n, Message(Type.NODES, meta={"rank": n.rank, **table}))
@@ -186,30 +173,24 @@ class Scheduler:
         ids = {(n.role, n.meta.get("id")) for n in self.nodes.values()}
         absent = [f"{r} {i}" for r, want in (("server", self.env.num_servers), ("worker", self.env.num_workers))
                   for i in range(want) if (r, i) not in ids and (r, None) not in ids]  # fmt: skip
-        missing = (
-            f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
-            f"{self.env.num_workers} workers registered with the scheduler at {self.env.scheduler_endpoint}"
-            f"{'; not registered: ' + ', '.join(absent) if absent else ''}"
-        )
+        missing = (f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
+                   f"{self.env.num_workers} workers registered with the scheduler at {self.env.scheduler_endpoint}"
+                   f"{'; not registered: ' + ', '.join(absent) if absent else ''}")
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
             self._send(n, error_reply(None, exc))
         print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         self.status = 1
 
-    # -- barriers -----------------------------------------------------------------------------------
-
     def _barrier(self, node: _Node, msg: Message) -> None:
         group = str((msg.meta or {}).get("group", "worker"))
-        members = self._members(group)
-        gone = [n for n in members if n.finished]
+        gone = [n for n in self._members(group) if n.finished]
         if gone:
             raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
         self.barriers.setdefault(group, _Barrier(time.monotonic())).waiting[node.peer] = msg
         self._release(group)
 
     def _release(self, group: str) -> None:
-        """End the barrier of ``group`` if every member is there."""
         members, bar = self._members(group), self.barriers[group]
         if all(n.peer in bar.waiting for n in members):
             del self.barriers[group]
@@ -227,13 +208,10 @@ class Scheduler:
     def _check_barriers(self, now: float) -> None:
         for group, bar in list(self.barriers.items()):
             if now - bar.started > self.timeout:
-                members = self._members(group)
-                missing = [n.rank for n in members if n.peer not in bar.waiting]
+                missing = [n.rank for n in self._members(group) if n.peer not in bar.waiting]
                 here = sorted(self.nodes[p].rank for p in bar.waiting)
                 gap = f"{group} ranks {missing} (arrived: {here})"
                 self._fail_barrier(group, deadline("the barrier", now - bar.started, "PSKV_TIMEOUT", self.timeout, gap))
-
-    # -- ending -----------------------------------------------------------------------------------
 
     def _finalize(self, node: _Node, msg: Message) -> None:
         if node.role != "worker":
@@ -283,7 +261,7 @@ class Scheduler:
         self._shutdown_when_done()
 
     def _lost(self, node: _Node, reason: str) -> None:
-        """Tell every node that ``node`` failed, and end the job."""
+        """``node`` failed: the job goes on without it if it may (a replica, ``--min-workers``), else ends."""
         exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
         node.finished = True
         left = len(self._members(node.role)) - 1  # (lost nodes are members of nothing)

@@ -1,7 +1,5 @@
-"""A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds` (docs/DESIGN.md).
-
-A bad request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down.
-"""
+"""A server: the loop and the transport around its :class:`~pskv.ps.rounds.Rounds` (docs/DESIGN.md). A bad
+request gets an ERROR naming what was wrong and changes nothing; a bug never takes the server down."""
 
 from __future__ import annotations
 
@@ -83,8 +81,6 @@ class Server(Node):
         self.nonfinite, self.skipped = config.nonfinite(), 0  # what a NaN/Inf push meets; how many were skipped
         self._outbox: dict[_Request, tuple[list[tuple[int, int, int, int]], list[Any]]] = {}
 
-    # -- loop -------------------------------------------------------------------------------------
-
     def run(self) -> int:
         endpoint = self.van.listen(self.env.listen_endpoint(), config.max_frame_bytes())
         try:
@@ -127,22 +123,20 @@ class Server(Node):
         if isinstance(msg, PeerGone):  # a worker's end is the scheduler's to judge
             if not peer.startswith("client:") and self.status is None:
                 self._stop(self.lost(peer))
-            return
-        if isinstance(msg, ProtocolError):
+        elif isinstance(msg, ProtocolError):
             self._send(peer, error_reply(None, msg))
-            return
-        if peer == "scheduler":
+        elif peer == "scheduler":
             self.last_heard = time.monotonic()
             self._control(msg)
-            return
-        req = _Request(self.reply_to.get(peer, peer), msg)
-        try:
-            self._request(peer, req)
-        except PSKVError as exc:
-            self._fail(req, exc)
-        except Exception as exc:  # a bug must not take the server down; the worker sees it
-            traceback.print_exc()
-            self._fail(req, ClusterError(f"{self.name} failed on {msg}: {exc!r}"))
+        else:
+            req = _Request(self.reply_to.get(peer, peer), msg)
+            try:
+                self._request(peer, req)
+            except PSKVError as exc:
+                self._fail(req, exc)
+            except Exception as exc:  # a bug must not take the server down; the worker sees it
+                traceback.print_exc()
+                self._fail(req, ClusterError(f"{self.name} failed on {msg}: {exc!r}"))
 
     def _control(self, msg: Message) -> None:
         if msg.type == Type.SHUTDOWN:
@@ -152,8 +146,6 @@ class Server(Node):
             self._deliver(self.rounds.lose(rank) if lost else self.rounds.finish(rank))
         elif msg.type == Type.NODE_FAILED:
             self._stop(failure(msg))
-
-    # -- answers ------------------------------------------------------------------------------------
 
     def _send(self, peer: str, msg: Message) -> None:
         try:
@@ -174,8 +166,7 @@ class Server(Node):
             req: _Request = a.req
             if a.error is not None:
                 self._fail(req, a.error)
-                continue
-            if req.failed:
+            if req.failed:  # (then its other answers are dropped)
                 continue
             rows, frames = self._outbox.setdefault(req, ([], []))
             if a.value is None:
@@ -195,8 +186,6 @@ class Server(Node):
             self._send(req.route, req.msg.reply(kind, frames=[ANSWER.pack(rows), *frames]))
         if out:
             timeline.span("answer", t0, requests=len(out))
-
-    # -- requests ---------------------------------------------------------------------------------
 
     def _request(self, peer: str, req: _Request) -> None:
         msg = req.msg
@@ -226,8 +215,11 @@ class Server(Node):
         elif msg.type == Type.SET_STATES:
             self._set_states(msg)
             self._send(req.route, msg.reply(Type.OK))
-        elif msg.type == Type.SHM_PROBE:
-            self._shm_probe(req, rank)
+        elif msg.type == Type.SHM_PROBE:  # map the worker's arena (checking its token), tell it where ours is
+            if not self.shm:
+                raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
+            self.shared.accept(msg.meta or {}, int(self.workers[rank]["pid"]))
+            self._send(req.route, msg.reply(Type.OK, meta=self.shared.probe()))
         else:
             raise ProtocolError(f"a server does not handle {msg.type.name}")
 
@@ -248,10 +240,8 @@ class Server(Node):
 
     def _init_entries(self, msg: Message) -> list[InitEntry]:
         with _Frames(msg) as frames:
-            entries = [
-                InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), None)
-                for key, index, dtype, numel, row_numel, _row_sparse, name in (msg.meta or {})["parts"]
-            ]
+            entries = [InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), None)
+                       for key, index, dtype, numel, row_numel, _row_sparse, name in (msg.meta or {})["parts"]]
             if msg.frames:  # worker 0's: a value per part
                 entries = [e._replace(value=frame_tensor(frames.take(), e.dtype, e.numel)) for e in entries]
         return entries
@@ -323,23 +313,10 @@ class Server(Node):
         p.home = (arena.fd, offset)
         return arena.tensor(offset, p.numel, p.dtype).view(p.rows, p.row_numel)
 
-    def _shm_probe(self, req: _Request, rank: int) -> None:
-        """Map the worker's arena (checking its token) and tell it where ours is."""
-        if not self.shm:
-            raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-        self.shared.accept(req.msg.meta or {}, int(self.workers[rank]["pid"]))
-        self._send(req.route, req.msg.reply(Type.OK, meta=self.shared.probe()))
-
-    # -- optimizer states ---------------------------------------------------------------------------
-
     def _get_states(self, req: _Request) -> None:
-        opt = self.rounds.optimizer
-        parts: list[dict[str, Any]] = []
-        frames: list[Any] = []
-        for p, st in self.rounds.states():
-            names = sorted(st.tensors)
-            parts.append({"key": p.key, "part": p.index, "step": st.step, "names": names})
-            frames += [tensor_frame(st.tensors[n].contiguous().clone()) for n in names]
+        opt, states = self.rounds.optimizer, self.rounds.states()
+        parts = [{"key": p.key, "part": p.index, "step": st.step, "names": sorted(st.tensors)} for p, st in states]
+        frames: list[Any] = [tensor_frame(st.tensors[n].contiguous().clone()) for _, st in states for n in sorted(st.tensors)]
         meta = {"optimizer": opt.describe() if opt else None, "num_update": opt.num_update if opt else 0, "parts": parts}
         self._send(req.route, req.msg.reply(Type.DATA, meta=meta, frames=frames))
 

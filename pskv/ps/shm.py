@@ -21,7 +21,6 @@ DEFAULT_ARENA = 64 << 20
 
 
 def mode() -> str:
-    """``PSKV_SHM``: ``auto``, ``0`` or ``1``."""
     value = config.getenv("PSKV_SHM", "auto").lower()
     if value not in ("auto", "0", "1"):
         raise ClusterError(f"PSKV_SHM={value!r}: use auto, 0 or 1")
@@ -48,10 +47,7 @@ class Arena:
             self.pinned = True
 
     def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A 1-D tensor over the slot at ``offset``."""
-        if numel == 0:
-            return torch.empty(0, dtype=dtype)
-        return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset)
+        return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset) if numel else torch.empty(0, dtype=dtype)
 
 
 class Shared:
@@ -76,8 +72,7 @@ class Shared:
         """What a peer needs to map our first arena: the SHM_PROBE metadata (and its answer)."""
         if not self.arenas:
             self.arenas.append(Arena())
-        first = self.arenas[0]
-        return {"pid": os.getpid(), "fd": first.fd, "token": first.token.hex()}
+        return {"pid": os.getpid(), "fd": self.arenas[0].fd, "token": self.arenas[0].token.hex()}
 
     def accept(self, probe: Any, pid: int) -> None:
         """Map the arena a peer's :meth:`probe` describes, if it comes from ``pid`` (the process
@@ -90,8 +85,7 @@ class Shared:
             raise ProtocolError(f"a malformed shared-memory probe: {exc!r}") from None
 
     def _map(self, pid: int, fd: int, token: Optional[bytes] = None) -> mmap.mmap:
-        key = (pid, fd)
-        mm = self._maps.get(key)
+        mm = self._maps.get((pid, fd))
         if mm is None:
             path = f"/proc/{pid}/fd/{fd}"
             try:
@@ -105,7 +99,7 @@ class Shared:
                 os.close(handle)
             if mm is None or HEADER.unpack_from(mm, 0)[0] != MAGIC:
                 raise ProtocolError(f"{path} is not a pskv arena")
-            self._maps[key] = mm
+            self._maps[pid, fd] = mm
         if token is not None and HEADER.unpack_from(mm, 0)[1] != token:
             raise ProtocolError(f"shared memory of pid {pid} fd {fd} has another token")
         return mm

@@ -1,9 +1,6 @@
-"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off;
-docs/DESIGN.md). Each process writes its spans at exit to ``path.<role>-<rank>.json`` with the
-clock its host shares; ``pskv launch`` merges them into ``path`` (:func:`merge`).
-
->>> t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)
-"""
+"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off; docs/DESIGN.md),
+``t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)``. Each process writes its spans at exit
+to ``path.<role>-<rank>.json`` with the clock its host shares; ``pskv launch`` merges them into ``path``."""
 
 from __future__ import annotations
 
@@ -24,7 +21,6 @@ _threads: dict[int, int] = {}
 
 
 def start(role: str, rank: int) -> None:
-    """Begin recording for this process if ``PSKV_TIMELINE`` is set."""
     global on, _path, _pid
     path = os.environ.get("PSKV_TIMELINE", "")
     if not path or on:
@@ -48,8 +44,7 @@ def span(name: str, begin: float, **args: Any) -> None:
         if ident not in _threads:  # a thread seen for the first time: name its row
             _threads[ident] = len(_threads)
             _events.append({"name": "thread_name", "ph": "M", "pid": _pid, "tid": _threads[ident], "args": {"name": threading.current_thread().name}})
-        tid = _threads[ident]
-        _events.append({"name": name, "ph": "X", "ts": begin * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": tid, "args": args})
+        _events.append({"name": name, "ph": "X", "ts": begin * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": _threads[ident], "args": args})
 
 
 def _dump() -> None:
@@ -58,8 +53,7 @@ def _dump() -> None:
 
 
 def merge(path: str) -> Optional[str]:
-    """Merge the per-process files ``path.*.json`` into ``path`` (and remove them); the path
-    written, or None when there were none."""
+    """Merge the per-process files ``path.*.json`` into ``path`` (removing them); the path, or None if none."""
     parts = sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))
     if not parts:
         return None

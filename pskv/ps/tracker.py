@@ -22,11 +22,9 @@ def _raise(exc: BaseException) -> None:
 
 
 class Handle:
-    """A call in flight (``push``/``pull``/``pushpull`` with ``wait=False``): :meth:`wait` blocks
-    until every part of it is done and raises its error; :meth:`done` says whether it is. Thread-safe.
-
-    >>> h = kv.pull(key, out, wait=False); ...; h.wait()   # out holds the value
-    """
+    """A call in flight (``push``/``pull``/``pushpull`` with ``wait=False``): :meth:`wait` blocks until every
+    part of it is done and raises its error; :meth:`done` says whether it is. Thread-safe.
+    ``h = kv.pull(key, out, wait=False); ...; h.wait()``: then ``out`` holds the value."""
 
     def __init__(self, tracker: Optional[Tracker] = None, finish: Optional[Callable[[], None]] = None, flush: Optional[Callable[[], Any]] = None):
         self._tracker = tracker
@@ -93,8 +91,7 @@ class Tracker:
     to ``timeout`` s (a waiting thread does it); ``fatal`` is the job's fatal error, if any."""
 
     def __init__(self, timeout: float, pump: Callable[[float], None]):
-        self.timeout = timeout
-        self.pump = pump
+        self.timeout, self.pump = timeout, pump
         self.fatal: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._open: dict[int, Request] = {}
@@ -102,8 +99,7 @@ class Tracker:
         self._failed_pushes: list[BaseException] = []
 
     def open(self, msg: Message, what: str, peer: str, entries: Iterable[Entry], on_reply: Optional[OnReply] = None) -> Request:
-        """A new request for ``msg`` (its ``req_id`` is set) whose rows serve ``entries`` (one entry:
-        a whole-message request)."""
+        """A new request for ``msg`` (its ``req_id`` is set) whose rows serve ``entries`` (one: a whole message)."""
         with self._lock:
             req = Request(self._next, msg.type, what, peer, time.monotonic() + self.timeout, list(entries), on_reply)
             for handle, _, _ in req.entries:  # type: ignore[misc]
@@ -164,10 +160,7 @@ class Tracker:
     def take(self, peer: str) -> list[Request]:
         """Remove the open requests to ``peer`` without settling their calls (they are sent elsewhere)."""
         with self._lock:
-            taken = [r for r in self._open.values() if r.peer == peer]
-            for r in taken:
-                del self._open[r.req_id]
-        return taken
+            return [self._open.pop(r.req_id) for r in list(self._open.values()) if r.peer == peer]
 
     def fail_all(self, exc: BaseException) -> None:
         """The job failed: ``exc`` becomes ``fatal`` (unless one came first); every request fails."""
@@ -178,7 +171,6 @@ class Tracker:
             self.close(r, type(exc)(f"{r.what}: {exc}") if isinstance(exc, PSKVError) else exc)
 
     def expire(self, now: float) -> None:
-        """Fail the requests past their deadline."""
         with self._lock:
             late = [r for r in self._open.values() if r.deadline < now]
         for r in late:

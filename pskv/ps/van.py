@@ -1,15 +1,12 @@
-"""The transport: a :class:`Van` moves messages between this node and its peers, over zmq.
+"""The transport: a :class:`Van` moves messages between this node and its peers over zmq. A node listens
+on one endpoint (a ROUTER) and connects to its peers (a DEALER each); a peer is named as given to
+:meth:`Van.connect`, or ``"client:<hex>"`` for a connection that reached us. Payloads are sent without
+copying; ``inproc://`` endpoints run a job in one process. A TCP connection that closes comes out of
+:meth:`Van.recv` as a :class:`PeerGone` at once, so nobody waits for a heartbeat deadline to learn it.
 
-A node listens on one endpoint (a ROUTER) and connects to its peers (a DEALER each); a peer is
-named by the name given to :meth:`Van.connect`, or ``"client:<hex>"`` for a connection that
-reached us. Payloads are sent without copying; ``inproc://`` endpoints run a job in one process.
-A TCP connection that closes (its process exited or was killed) comes out of :meth:`Van.recv` as a
-:class:`PeerGone` at once, so nobody waits for a heartbeat deadline to learn it.
-
-With a job secret (``PSKV_SECRET``), the first frame on every connection proves that its sender
-holds it, and says which node it is; a listener acts on nothing else from a connection without
-that proof, and answers nothing (docs/DESIGN.md, "Who may talk to a job").
-"""
+With a job secret (``PSKV_SECRET``), the first frame on every connection proves that its sender holds
+it and says which node it is; a listener acts on nothing else from a connection without that proof,
+and answers nothing (docs/DESIGN.md, "Who may talk to a job")."""
 
 from __future__ import annotations
 
@@ -55,14 +52,11 @@ def _proof(secret: bytes, role: int, rank: int, nonce: bytes, endpoint: str) -> 
 def _curve_keys(secret: bytes, name: bytes) -> tuple[bytes, bytes]:
     """A CURVE key pair (public, secret; Z85) derived from the job's secret (``PSKV_ENCRYPT``)."""
     from zmq.utils import z85
-
     private = z85.encode(hmac.new(secret, b"pskv-curve-" + name, hashlib.sha256).digest())
     return zmq.curve_public(private), private
 
 
 class Van:
-    """Moves :class:`~pskv.ps.message.Message`\\s over zmq sockets."""
-
     MAX_BATCH = 256  # messages taken from one socket per recv, so no peer starves the others
 
     def __init__(self, role: str) -> None:
@@ -76,8 +70,8 @@ class Van:
         self.polled = 0.0  # when recv last looked at every connection: silence is judged against it
         self._poller = zmq.Poller()
         self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.closed = False
         try:
@@ -95,16 +89,13 @@ class Van:
 
     def _socket(self, kind: int) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.LINGER, 0)
+        for option in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
+            sock.setsockopt(option, 0)
         return sock
 
     def listen(self, endpoint: str, max_frame: int = 0) -> str:
         """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint.
         A client that sends a frame over ``max_frame`` bytes (0: no limit) is disconnected."""
-        if self._router is not None:
-            raise RuntimeError("this van already listens")
         sock = self._socket(zmq.ROUTER)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame or -1)
         if self.encrypt:
@@ -140,8 +131,6 @@ class Van:
     def connect(self, peer: str, endpoint: str, receive: bool = True, watch: bool = False) -> None:
         """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
         (by one thread at a time, not necessarily the van's owner); ``watch``: report its end."""
-        if peer in self._dealers:
-            raise RuntimeError(f"already connected to {peer}")
         sock = self._socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))  # unguessable: a proof holds for this connection only
         if self.encrypt:
@@ -160,21 +149,17 @@ class Van:
             self._watch(sock, peer, endpoint)
 
     def send(self, peer: str, msg: Message, track: bool = False) -> Optional[Callable[[float], bool]]:
-        """Queue ``msg`` for ``peer`` and return (payload buffers must stay unchanged until sent);
-        :class:`PeerUnreachable` if it cannot take it. With ``track``, returns ``wait(timeout) ->
-        bool``, true once the payload buffers may be reused."""
+        """Queue ``msg`` for ``peer`` (its payload buffers must stay unchanged until sent; with ``track``, the
+        ``wait(timeout)`` returned is true once they may be reused); :class:`PeerUnreachable` if it cannot."""
         frames = encode(msg)
-        if self.max_frame and not peer.startswith("client:"):
-            for f in frames:
-                if _buf(f).nbytes > self.max_frame:
-                    raise ProtocolError(
-                        f"{msg.type.name} to {peer.split('/')[0]} has a frame of {_buf(f).nbytes} bytes; servers take at most "
-                        f"{self.max_frame} (PSKV_MAX_MESSAGE_BYTES; set it the same for every node of the job)"
-                    )
+        limited = self.max_frame and not peer.startswith("client:")
+        over = [n for n in (_buf(f).nbytes for f in frames) if n > self.max_frame] if limited else []
+        if over:
+            raise ProtocolError(f"{msg.type.name} to {peer.split('/')[0]} has a frame of {over[0]} bytes; servers take at most "
+                                f"{self.max_frame} (PSKV_MAX_MESSAGE_BYTES; set it the same for every node of the job)")
         try:
-            if peer.startswith("client:"):
-                if self._router is None:
-                    raise RuntimeError("no listening socket to reply on")
+            if peer.startswith("client:"):  # (only a listener has such peers)
+                assert self._router is not None
                 frames = [bytes.fromhex(peer[7:]), *frames]
                 tracker = self._router.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
             else:
@@ -183,13 +168,10 @@ class Van:
             raise PeerUnreachable(f"{peer} has no live connection; {msg.type.name} was not sent ({exc})") from None
         if not track or tracker is None:
             return None
-        done = tracker
-
         def wait(timeout: float) -> bool:
             with contextlib.suppress(zmq.NotDone):
-                done.wait(timeout)
-            return done.done
-
+                tracker.wait(timeout)
+            return tracker.done
         return wait
 
     def recv(self, timeout: float) -> list[Received]:
