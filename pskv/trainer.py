@@ -97,7 +97,7 @@ class Trainer:
             if compression_params:
                 kv.set_gradient_compression(compression_params)
             kv.init(self._keys, [t.detach() for t in self._reps[0]])
-            kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])  # worker 0's weights, everywhere
+            self.pull_weights()  # worker 0's, everywhere
             if self._update_on_kvstore:
                 kv.set_optimizer(optimizer)
         elif compression_params:
@@ -168,6 +168,10 @@ class Trainer:
             yield
         finally:
             self._syncing = True
+
+    def pull_weights(self) -> None:
+        """Copy the store's weights into every replica (a worker that rejoined a running job does)."""
+        cast(KVStore, self._kv).pull(self._keys, [list(ts) for ts in zip(*self._reps)])
 
     def synchronize(self) -> None:
         """Wait for every exchange still in flight: the weights are then the step's (or the

@@ -74,7 +74,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
     # 2. This worker's part of the data: worker r of W reads the r-th contiguous slice of the training
     # set, reshuffled each epoch with a seed all workers share (every worker loads the same data set).
-    # If a worker is lost (pskv launch --min-workers), the others share the data from the next epoch.
+    # When a worker is lost (pskv launch --min-workers) or back (--max-restarts), the data is shared anew.
     train_set = datasets.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
     test_set = datasets.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
     train_tf, test_tf = datasets.transforms_for(args.dataset, args.image_size)
@@ -113,8 +113,13 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.resume:
             print(f"pskv train: resuming from {resumed}, {progress['epoch']} epochs done" if resumed else f"pskv train: no checkpoint in {args.checkpoint_dir} yet; starting", flush=True)
     history: list[dict[str, Any]] = progress.get("history", [])
+    first = progress.get("epoch", 0)
+    if kv.rejoined:  # in a lost worker's place (pskv launch --max-restarts): in from the others' next epoch
+        everyone = kv.allgather({"rank": rank})
+        first, (sampler, test_part) = max(e.get("epoch", 0) for e in everyone), share([e["rank"] for e in everyone])
+        trainer.pull_weights()
     started = time.perf_counter()
-    for epoch in range(progress.get("epoch", 0), args.epochs):
+    for epoch in range(first, args.epochs):
         # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
         # sums the gradients over devices and workers and waits for the servers' new weights.
         sampler.set_epoch(epoch)
@@ -147,8 +152,9 @@ def run_worker(args: argparse.Namespace) -> int:
         net.train()
         mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
                 "test_correct": test_correct, "test_seen": len(test_part)}  # fmt: skip
-        everyone = kv.allgather({**mine, "rank": rank})  # from the workers still in the job
+        everyone = kv.allgather({**mine, "rank": rank, "epoch": epoch + 1})  # the workers in the job now
         sampler, test_part = share([e["rank"] for e in everyone])
+        everyone = [e for e in everyone if "seen" in e]  # not a worker that rejoins here
         total = {key: sum(e[key] for e in everyone) for key in mine}
         row = {
             "epoch": epoch + 1,
@@ -159,6 +165,7 @@ def run_worker(args: argparse.Namespace) -> int:
             "samples_per_sec": sum(e["seen"] / e["seconds"] for e in everyone),
             "samples_per_sec_per_worker": seen / seconds,
             "lr": trainer.learning_rate,
+            "workers": len(everyone),
         }
         history.append(row)
         if rank == 0:
@@ -168,7 +175,7 @@ def run_worker(args: argparse.Namespace) -> int:
                   f"{row['samples_per_sec']:.1f} samples/s total", flush=True)
         if args.checkpoint_dir:
             checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history})
-    if rank == 0:
+    if rank == 0 and history:
         last, seconds = history[-1], time.perf_counter() - started
         # the run's samples/s: every epoch's rate weighted by its time
         rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)

@@ -77,6 +77,8 @@ class KVStore:
     done; ``device`` sums on the device of the first pushed tensor and keeps each value (and runs the
     optimizer) on the device it was initialised on, ``local`` uses the CPU."""
 
+    rejoined = False  # a worker restarted in a lost one's place (pskv launch --max-restarts): see allgather
+
     def __init__(self, type_name: str):
         self._type = type_name
         self._keys: dict[Key, KeyMeta] = {}
@@ -313,7 +315,9 @@ class KVStore:
 
     def allgather(self, value: Any) -> list[Any]:
         """Every worker's ``value`` (small and JSON-able, e.g. metrics; tensors are pushed and
-        pulled), by rank: a barrier that carries it. In-process stores return ``[value]``."""
+        pulled), by rank: a barrier that carries it. In-process stores return ``[value]``. A worker
+        that ``rejoined`` waits in its first allgather for the others' next one, where it is admitted:
+        every round must be complete there (each worker pulled what it pushed)."""
         try:
             json.dumps(value, allow_nan=False)
         except (TypeError, ValueError) as exc:

@@ -55,6 +55,7 @@ class DistStore(KVStore):
             self.close()
             raise
         timeline.start("worker", self._client.rank)
+        self.rejoined = self._client.rejoined
         self._bound = config.bigarray_bound()
         self._chunk = config.chunk_bytes(self._client.across_hosts)
         self._parts: dict[int, list[Part]] = {}

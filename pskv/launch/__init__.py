@@ -67,6 +67,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
            "the job goes on when one server is lost (PSKV_REPLICAS; docs/DESIGN.md, 'A lost server')")  # fmt: skip
     option("--min-workers", type=int, metavar="K", help="go on without a worker that fails while K others live "
            "(PSKV_MIN_WORKERS; dist_sync rounds then sum the live workers' gradients); default: a lost worker ends the job")  # fmt: skip
+    option("--max-restarts", type=int, used_by=("local",), metavar="N", help="start a worker the job went on without "
+           "(--min-workers) anew, N times in all; it rejoins at the others' next allgather (PSKV_RESTARTS=1, 2, ... tells it)")  # fmt: skip
     option("--python", used_by=cluster, help="the Python interpreter on the cluster's hosts, which must import pskv "
            "(default: python3; the local launcher always uses the one running pskv)")  # fmt: skip
     option("--ssh-command", used_by=("ssh", "mpi"), help="ssh client command, e.g. 'ssh -F ~/.ssh/cluster_config' "
@@ -110,6 +112,10 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.min_workers < args.num_workers:
             raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
         env["PSKV_MIN_WORKERS"] = str(args.min_workers)
+    if args.max_restarts is not None:
+        if args.max_restarts < 0 or args.min_workers is None:
+            raise LaunchError(f"--max-restarts {args.max_restarts}: it must be >= 0, with --min-workers (a worker rejoins a job that went on without it)")
+        env["PSKV_MAX_RESTARTS"] = str(args.max_restarts)
     if args.replicas:
         env["PSKV_REPLICAS"] = str(args.replicas)
     spec = JobSpec(

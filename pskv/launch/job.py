@@ -55,6 +55,7 @@ class Proc:
     tail: list[str] = field(default_factory=list)  # its last lines, for the failure report
     failure: str = ""  # the first guard failure line among them
     peak_rss_mb: float = 0.0  # the largest resident size seen (Linux VmHWM), sampled while it runs
+    again: Optional[Callable[[int], Proc]] = None  # start it anew, its nth restart (--max-restarts)
 
     @property
     def returncode(self) -> Optional[int]:
@@ -112,7 +113,9 @@ class ProcessContext:
         # and every pskv process of the job stops with an error (PSKV_LIFELINE, docs/DESIGN.md)
         self.lifeline, self._lifeline_w = os.pipe()
         self.started_fd = -1  # where the scheduler says the job started (start_scheduler)
-        self.started = False
+        self.started = self.ended = False  # what the scheduler said: the job started, ended
+        self.declared: list[str] = []  # the processes it declared lost and went on without, not restarted
+        self.restarts = [0, 0]  # done, allowed (--max-restarts)
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -130,7 +133,7 @@ class ProcessContext:
             with contextlib.suppress(BrokenPipeError):  # it exited at once: its status tells why
                 popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
                 popen.stdin.flush()
-        proc = Proc(name, popen)
+        proc = Proc(name, popen, again=lambda n: self.start(name, argv, {**env, "PSKV_RESTARTS": str(n)}, pass_fds, show, stdin, main))
         for pipe, sink in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
             emit = functools.partial(self._emit, proc, sink, show)
             proc.readers.append(threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}"))
@@ -171,6 +174,9 @@ class ProcessContext:
                     proc.sample()
                 next_sample = time.monotonic() + 0.25
             self._hear(lost)
+            for name in [n for n in self.declared if n.startswith("worker ")] if not self.ended else []:
+                self.declared.remove(name)
+                self._restart(next(p for p in reversed(self.procs) if p.name == name))
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
             failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
@@ -210,21 +216,33 @@ class ProcessContext:
                 return self._stop(124, f"the job ran past its time limit of {timeout:g} s; stopped it")
             time.sleep(0.05)
 
+    def _restart(self, proc: Proc) -> None:
+        """Start ``proc`` (a worker the scheduler declared lost) anew, if --max-restarts allows: it
+        rejoins the running job (docs/DESIGN.md, "Elastic workers")."""
+        done, allowed = self.restarts
+        if done < allowed and proc.again is not None:
+            self._signal(proc.popen, signal.SIGKILL)  # stopped (SIGSTOP) or cut off: it is not coming back
+            self.restarts[0] += 1
+            proc.again(done + 1)
+            self.report(f"restarted {proc.name} (restart {done + 1} of {allowed})")
+
     def _stop(self, status: int, text: str) -> int:
         self.stop_all()
         self.report(text)
         return status
 
     def _hear(self, lost: list[Watched]) -> None:
-        """What the scheduler says on its pipe: ``started``, ``lost <role> <rank>`` (the job goes on)."""
+        """What the scheduler says on its pipe: ``started``, ``lost <role> <rank>`` (the job goes on),
+        ``ended`` (every worker finished)."""
         while self.started_fd >= 0 and select.select([self.started_fd], [], [], 0)[0]:
             data = os.read(self.started_fd, 4096)
             if not data:  # it exited
                 os.close(self.started_fd)
                 self.started_fd = -1
             for line in data.decode(errors="replace").split("\n"):
-                self.started = self.started or line == "started"
+                self.started, self.ended = self.started or line == "started", self.ended or line == "ended"
                 lost += [p for p, _ in self.watched if line == f"lost {p.name}" and p not in lost]
+                self.declared += [line[5:]] if line.startswith("lost ") else []
 
     def stop_all(self) -> None:
         """Stop every process still running: EOF on its stdin pipe if it has one, else SIGTERM to
@@ -348,6 +366,7 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
         env = {**spec.environ, **spec.env}
         min_workers, replicas = int(env.get("PSKV_MIN_WORKERS") or 0), int(env.get("PSKV_REPLICAS") or 0) if spec.num_servers > 1 else 0
+        ctx.restarts[1] = int(env.get("PSKV_MAX_RESTARTS") or 0) if min_workers else 0
         status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas)
         return status
     except BaseException as exc:

@@ -46,6 +46,7 @@ class Type(enum.IntEnum):
     NODE_FAILED = 9  # meta: role, rank, host, pid, reason
     SHUTDOWN = 10
     SERVER_LOST = 11  # meta: rank of a server whose parts its backup (the next server) now serves
+    WORKER_BACK = 12  # meta: ranks of workers in lost ones' places, counted in from now on; answered OK
     # worker <-> server
     HELLO = 19  # meta: rank, answers (true on the connection the worker reads answers from)
     INIT = 20  # meta: mode, parts [[key, part, dtype, numel, row_numel, row_sparse, name]]; payload: values (rank 0)

@@ -156,7 +156,7 @@ class Node:
         watch_launcher(self.van)
         self.asked = env.worker_id if env.role == "worker" else env.server_id  # the rank asked for (None: any)
         self.van.identity = (env.role, -1 if self.asked is None else self.asked)
-        self.rank = -1
+        self.rank, self.rejoined = -1, False  # rejoined: in a lost worker's place, in a running job
         self.servers: list[dict[str, Any]] = []
         self.workers: list[dict[str, Any]] = []
         self.hb_interval, self.hb_timeout = config.heartbeat_interval(), config.heartbeat_timeout()
@@ -196,7 +196,7 @@ class Node:
                     raise from_reply(msg.meta, f"the scheduler refused this {self.role}: ")
                 elif msg.type == Type.NODES:
                     table = msg.meta or {}
-                    self.rank = int(table["rank"])
+                    self.rank, self.rejoined = int(table["rank"]), bool(table.get("rejoined"))
                     self.van.identity = (self.role, self.rank)
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])
                     self.last_heard = time.monotonic()

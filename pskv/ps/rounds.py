@@ -7,7 +7,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
 from torch import Tensor
@@ -78,6 +78,9 @@ class PullEntry(NamedTuple):
     mirror: bool = False  # the copy a backup gets: it brings the rescale, and is only acknowledged
 
 
+E = TypeVar("E", PushEntry, PullEntry)
+
+
 @dataclass(eq=False)
 class Part:
     key: int
@@ -94,6 +97,7 @@ class Part:
     inits: list[Waiting] = field(default_factory=list)  # INITs answered when the value arrives
     rounds: int = 0  # rounds completed
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
+    base: dict[int, int] = field(default_factory=dict)  # worker -> the rounds before it rejoined (it counts from 0)
     queued: dict[int, deque[tuple[Tensor, Optional[Waiting], bool]]] = field(default_factory=dict)  # not merged yet
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
     rescale: Optional[tuple[int, float]] = None  # (round, rescale) a pull brought before that round merged
@@ -151,14 +155,14 @@ class Rounds:
                 raise ShapeMismatchError(f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} "
                                          f"({mode}), another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must "
                                          "create the same store type and init the same keys in the same order")
-            if rank in p.initialised_by:
+            if rank in p.initialised_by and rank in self.workers:  # (a worker back in a lost one's place inits again)
                 raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []
         for i, e in enumerate(entries):
             p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode))
             p.initialised_by.add(rank)
             p.inits.append(Waiting(req, i))
-            if e.value is not None:
+            if e.value is not None and p.value is None:
                 p.value = self.storage(p)
                 p.value.view(-1).copy_(e.value)
             if p.value is not None:
@@ -168,6 +172,7 @@ class Rounds:
 
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
         """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
+        entries = _from_base(rank, entries)
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
@@ -179,7 +184,8 @@ class Rounds:
             if p.mode == "sync" and rank in self.finished:
                 raise NodeFailedError(f"worker {rank} pushed after it finished")
             if rank not in self.workers:
-                raise NodeFailedError(f"worker {rank} was declared lost (PSKV_MIN_WORKERS): the job went on without it")
+                raise NodeFailedError(f"worker {rank} was declared lost (PSKV_MIN_WORKERS): the job went on without it; "
+                                      "a worker in its place pushes once admitted, at its first allgather")
             expected = latest.get(id(p), p.pushed.get(rank, 0)) + 1
             if e.round > expected and p.mode == "sync":  # async: rounds skipped by rejected pushes do not matter
                 raise ProtocolError(f"{p}: worker {rank} pushed round {e.round} but its next round is {expected}")
@@ -253,6 +259,7 @@ class Rounds:
 
     def pull(self, req: Any, rank: int, entries: list[PullEntry]) -> list[Answer]:
         """Answer each entry now if its round is complete (async: always), else when it is."""
+        entries = _from_base(rank, entries)
         for e in entries:
             p = e.part
             if p.mode == "sync" and e.round > p.pushed.get(rank, 0):
@@ -326,6 +333,15 @@ class Rounds:
             out += self._complete(p)
         return out
 
+    def rejoin(self, rank: int) -> None:
+        """Worker ``rank`` is back, in a lost one's place (``pskv launch --max-restarts``): every round
+        from the next on needs its push; its round numbers start from 0 again. Called at an allgather,
+        where each worker pulled what it pushed: every live worker pushed the same rounds."""
+        self.workers = sorted({*self.workers, rank})
+        self.finished.discard(rank)
+        for p in self.parts.values():
+            p.base[rank] = p.pushed[rank] = max(p.pushed.get(r, 0) for r in self.workers)
+
     def expire(self, now: float) -> list[Answer]:
         """Fail the requests that waited longer than the timeout, saying what they wait for."""
         out = []
@@ -386,6 +402,11 @@ class Rounds:
         self.optimizer = opt
         opt.states.update(new)
         opt.num_update = max(opt.num_update, num_update)
+
+
+def _from_base(rank: int, entries: list[E]) -> list[E]:
+    """``entries`` with the rounds of a worker that rejoined counted from the part's rounds before it."""
+    return [e._replace(round=e.round + e.part.base[rank]) if rank in e.part.base else e for e in entries]
 
 
 def _sum_into(out: Tensor, grads: list[Tensor]) -> Tensor:

@@ -27,6 +27,7 @@ class _Node:
     finished: bool = False
     closed: float = 0.0  # when its connection was seen to close (0: not since its last message)
     lost: bool = False  # a worker that failed, and the job went on without it (PSKV_MIN_WORKERS)
+    joining: bool = False  # a worker in a lost one's place, a member from the workers' next allgather
 
     def info(self) -> dict[str, Any]:
         """This node's row of the node table."""
@@ -57,12 +58,14 @@ class Scheduler:
         self.timeout, self.hb_timeout = config.timeout(), config.heartbeat_timeout()
         self.min_workers, self.replicas = config.min_workers(), config.replicas()
         self._pipe: Optional[IO[str]] = None  # to pskv launch (PSKV_PORT_FD)
+        self.admits: dict[str, Message] = {}  # joining worker -> its first BARRIER (an allgather)
+        self.acks: Optional[set[str]] = None  # the servers yet to count the joining workers in
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
         if group not in ("server", "worker", "all"):
             raise ClusterError(f"unknown barrier group {group!r}")
-        nodes = [n for n in self.nodes.values() if group in (n.role, "all") and not n.lost]
+        nodes = [n for n in self.nodes.values() if group in (n.role, "all") and not n.lost and not n.joining]
         return sorted(nodes, key=lambda n: (n.role, n.rank))  # "server" < "worker"
 
     def _send(self, node: _Node, msg: Message) -> None:
@@ -130,6 +133,10 @@ class Scheduler:
             self._barrier(node, msg)
         elif msg.type == Type.FINALIZE:
             self._finalize(node, msg)
+        elif msg.type == Type.OK and self.acks is not None and node.role == "server":  # to WORKER_BACK
+            self.acks.discard(peer)
+            for group in list(self.barriers):
+                self._release(group)
         else:
             raise ClusterError(f"the scheduler does not handle {msg.type.name}")
 
@@ -139,6 +146,10 @@ class Scheduler:
         if role not in ("server", "worker"):
             raise ClusterError(f"cannot register role {role!r}")
         want = self.env.num_servers if role == "server" else self.env.num_workers
+        workers = [n for n in self.nodes.values() if n.role == "worker"]
+        lost = sorted({n.rank for n in workers if n.lost} - {n.rank for n in workers if not n.lost}) if self.started else []
+        if lost and meta.get("id") in (None, *lost):
+            return self._rejoin(peer, meta, lost[0] if meta.get("id") is None else meta["id"])
         if self.started or len(self._members(role)) >= want:
             raise ClusterError(f"the job already has its {want} {role}s; refusing {role} from host {meta.get('host')} "
                                f"pid {meta.get('pid')}")
@@ -160,13 +171,24 @@ class Scheduler:
             free = iter(r for r in range(len(nodes)) if r not in taken)
             for n in nodes:
                 n.rank = n.meta["id"] if n.meta.get("id") is not None else next(free)
-        table = {f"{role}s": [n.info() for n in self._members(role)] for role in ("server", "worker")}
         for n in self.nodes.values():
             n.last_seen = time.monotonic()
-            self._send(n, Message(Type.NODES, meta={"rank": n.rank, **table}))
+            self._send(n, Message(Type.NODES, meta={"rank": n.rank, **self._table()}))
         self.started = True
         self._tell("started")
         say("scheduler", "all nodes registered; job started")
+
+    def _table(self) -> dict[str, list[dict[str, Any]]]:
+        """The node table: every rank's latest node."""
+        latest = {(n.role, n.rank): n.info() for n in self.nodes.values()}  # (dicts keep registration order)
+        return {f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")}
+
+    def _rejoin(self, peer: str, meta: dict[str, Any], rank: int) -> None:
+        """A worker registers in the place of lost worker ``rank`` (pskv launch --max-restarts): it
+        gets that rank now, and is admitted at the workers' next allgather (see ``_release``)."""
+        node = self.nodes[peer] = _Node(peer, "worker", meta, rank, joining=True)
+        self._send(node, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
+        say("scheduler", f"worker {rank} is back from {meta.get('hostname')} pid {meta.get('pid')}; it joins at the next allgather")
 
     def _fail_start(self) -> None:
         have_s, have_w = len(self._members("server")), len(self._members("worker"))
@@ -184,6 +206,9 @@ class Scheduler:
 
     def _barrier(self, node: _Node, msg: Message) -> None:
         group = str((msg.meta or {}).get("group", "worker"))
+        if node.joining:
+            self.admits[node.peer] = msg
+            return
         gone = [n for n in self._members(group) if n.finished]
         if gone:
             raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
@@ -192,7 +217,21 @@ class Scheduler:
 
     def _release(self, group: str) -> None:
         members, bar = self._members(group), self.barriers[group]
-        if all(n.peer in bar.waiting for n in members):
+        ready = all(n.peer in bar.waiting for n in members)
+        if ready and self.admits and group != "server" and all("value" in (bar.waiting[n.peer].meta or {}) for n in members):
+            # an allgather admits the workers waiting to rejoin; first, the servers count them in
+            live = {n.peer for n in self._members("server")}
+            if self.acks is None:
+                self.acks = live
+                ranks = sorted(self.nodes[p].rank for p in self.admits)
+                self._broadcast(Message(Type.WORKER_BACK, meta={"ranks": ranks}), roles=("server",))
+            if self.acks & live:
+                return
+            for peer, req in self.admits.items():
+                self.nodes[peer].joining, bar.waiting[peer] = False, req
+            self.admits, self.acks = {}, None
+            members = self._members(group)
+        if ready:
             del self.barriers[group]
             # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
             values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
@@ -219,7 +258,7 @@ class Scheduler:
         node.finished = True
         self._send(node, msg.reply(Type.OK))
         say("scheduler", f"{node} finished")
-        if node.lost:  # declared lost earlier, and back: the rounds went on without it already
+        if node.lost or node.joining:  # the rounds go on without it already
             return
         self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
         for group in list(self.barriers):
@@ -229,6 +268,11 @@ class Scheduler:
 
     def _shutdown_when_done(self) -> None:
         if all(n.finished for n in self._members("worker")):
+            self._tell("ended")
+            for node in [n for n in self.nodes.values() if n.joining]:  # too late to rejoin
+                exc = ClusterError(f"the job ended (every other worker finished) before {node} could rejoin it")
+                self._send(node, error_reply(self.admits.pop(node.peer, None), exc))
+                self._let_go(node, str(exc))
             self._broadcast(Message(Type.SHUTDOWN), roles=("server",))
             self.status = 0
 
@@ -250,11 +294,14 @@ class Scheduler:
         elif node is not None and self.started:
             node.closed = time.monotonic()
 
+    def _let_go(self, node: _Node, text: str) -> None:
+        print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
+        node.lost, node.joining, node.finished = True, False, True
+        self._tell(f"lost {node.role} {node.rank}")  # pskv launch lets its process go (or starts it anew)
+
     def _go_on_without(self, node: _Node, text: str, notice: Message, role: str) -> None:
         """The job goes on without ``node``: it is a member of nothing now; ``notice`` tells the ``role``s."""
-        print(f"pskv scheduler: {text}", file=sys.stderr, flush=True)
-        node.lost = True
-        self._tell(f"lost {node.role} {node.rank}")  # pskv launch lets its process go
+        self._let_go(node, text)
         self._broadcast(notice, roles=(role,))
         for group in list(self.barriers):
             self._release(group)
@@ -263,7 +310,12 @@ class Scheduler:
     def _lost(self, node: _Node, reason: str) -> None:
         """``node`` failed: the job goes on without it if it may (a replica, ``--min-workers``), else ends."""
         exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
+        if node.joining and self.acks is not None and node.peer in self.admits:
+            return  # being admitted: lost as a member, once it is one
         node.finished = True
+        if node.joining:  # not a member yet: nothing waits for it
+            self.admits.pop(node.peer, None)
+            return self._let_go(node, f"{exc}; it was rejoining the job")
         left = len(self._members(node.role)) - 1  # (lost nodes are members of nothing)
         if self.started and node.role == "server" and left > 0 and self.env.num_servers - left <= self.replicas:  # lost, this one too: at most R
             note = f"server {(node.rank + 1) % self.env.num_servers}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})"

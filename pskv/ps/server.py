@@ -144,6 +144,10 @@ class Server(Node):
         elif msg.type == Type.WORKER_LEFT:  # finished, or lost with the job going on without it
             rank, lost = int((msg.meta or {})["rank"]), bool((msg.meta or {}).get("lost"))
             self._deliver(self.rounds.lose(rank) if lost else self.rounds.finish(rank))
+        elif msg.type == Type.WORKER_BACK:
+            for rank in (msg.meta or {})["ranks"]:
+                self.rounds.rejoin(int(rank))
+            self._send("scheduler", msg.reply(Type.OK))
         elif msg.type == Type.NODE_FAILED:
             self._stop(failure(msg))
 

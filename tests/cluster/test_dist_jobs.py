@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import sys
 import textwrap
 from pathlib import Path
 
@@ -529,3 +530,78 @@ def test_replicas_work_after_close_is_not_cut_short(tmp_path: Path) -> None:
     """
     res = launch(tmp_path, script, 2, 2, launch_args=["--replicas", "1", "--min-workers", "1"], timeout=90)
     assert res.code == 0 and "saved 0" in res.stdout and "saved 1" in res.stdout, res
+
+
+def test_max_restarts_a_killed_worker_rejoins_the_running_job(tmp_path: Path) -> None:
+    """``--min-workers 2 --max-restarts 1`` of 3: worker 2 kills itself (-9) before its 4th push; the
+    launcher starts it again (``PSKV_RESTARTS=1``, ``kv.rejoined``); it waits in its first allgather
+    for the others' next one, is admitted there, pulls the current value (the 2 live workers' sum) and
+    from then on every round sums 3 pushes again (no optimizer: the value is the round's sum)."""
+    script = """
+    import os, signal, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(4))
+    out, seen = torch.empty(4), []
+    if kv.rejoined:
+        assert kv.rank == 2 and os.environ["PSKV_RESTARTS"] == "1", (kv.rank, os.environ.get("PSKV_RESTARTS"))
+        members = kv.allgather(kv.rank)
+        kv.pull("w", out)
+        seen.append(out[0].item())
+    else:
+        for step in range(8):
+            if kv.rank == 2 and step == 3:
+                os.kill(os.getpid(), signal.SIGKILL)
+            kv.push("w", torch.ones(4))
+            kv.pull("w", out)
+            seen.append(out[0].item())
+        while len(members := kv.allgather(kv.rank)) < 3:  # until worker 2 is back
+            time.sleep(0.2)
+    for step in range(4):
+        kv.push("w", torch.ones(4))
+        kv.pull("w", out)
+        seen.append(out[0].item())
+    print("seen", kv.rank, members, seen, flush=True)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 2, launch_args=["--min-workers", "2", "--max-restarts", "1"], timeout=150)
+    assert res.code == 0, res
+    for rank in (0, 1):
+        assert f"seen {rank} [0, 1, 2] {[3.0] * 3 + [2.0] * 5 + [3.0] * 4}" in res.stdout, res
+    assert "seen 2 [0, 1, 2] [2.0, 3.0, 3.0, 3.0, 3.0]" in res.stdout, res  # the value then, then its pushes count
+    assert "restarted worker 2 (restart 1 of 1)" in res.stderr, res
+
+
+def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path) -> None:
+    """``pskv train`` by 3 workers, ``--max-restarts 1``: worker 2 killed (-9) after the first epoch is
+    back for a later epoch; the report counts 3 workers again and every epoch is there."""
+    import json
+
+    from .jobs import REPO, run
+
+    report = tmp_path / "report.json"
+    script = tmp_path / "victim.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        import pskv.kv.base as base
+        from pskv.app.train import main
+        first_life = os.environ.get("DMLC_WORKER_ID") == "2" and "PSKV_RESTARTS" not in os.environ
+        allgather = base.KVStore.allgather
+        def die_after_the_first_epoch(self, value):
+            got = allgather(self, value)
+            if first_life and isinstance(value, dict) and value.get("epoch") == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if len(got) == 2:  # epochs of 0.3 s: give the restarted worker time to come back
+                time.sleep(1.5)
+            return got
+        base.KVStore.allgather = die_after_the_first_epoch
+        sys.exit(main(sys.argv[1:]))
+    """))
+    argv = [sys.executable, "-m", "pskv", "launch", "-n", "3", "-s", "1", "--min-workers", "2", "--max-restarts", "1", "--",
+            sys.executable, str(script), "--model", "small_cnn", "--epochs", "12", "--no-progress", "--report", str(report)]  # fmt: skip
+    res = run(argv, timeout=240, env={"PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    assert res.code == 0, res
+    assert "restarted worker 2 (restart 1 of 1)" in res.stderr, res
+    epochs = json.loads(report.read_text())["epochs"]
+    assert [e["epoch"] for e in epochs] == list(range(1, 13)), epochs
+    counts = [e["workers"] for e in epochs]
+    assert counts[0] == 3 and 2 in counts and counts[-1] == 3 and counts.index(2) < len(counts) - 1, counts

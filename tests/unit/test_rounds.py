@@ -251,6 +251,38 @@ def test_a_lost_worker_leaves_its_rounds_to_the_others() -> None:
     assert r.finish(2) == [] and 2 not in r.finished  # closing its store later blocks no round
 
 
+def test_a_worker_back_in_a_lost_ones_place_counts_its_rounds_from_the_parts() -> None:
+    """``rejoin`` (pskv launch --max-restarts): the new worker 2 inits again (its value, as worker 0's
+    would be, does not replace the trained one), is refused until admitted, then numbers its rounds
+    from 1 again, and every round from the next one sums its push too."""
+    r = made(3)
+    p = r.part(0, 0)
+    for round_ in (1, 2):  # worker 2 pushed round 1 only, then was lost
+        for rank in (0, 1, 2) if round_ == 1 else (0, 1):
+            push(r, rank, round_, 1.0)
+        if round_ == 1:
+            r.lose(2)
+    assert p.rounds == 2 and torch.all(p.value == 2.0)
+    assert answered(r.init("init again", 2, "sync", [entry()])) == [("init again", 0)]
+    with pytest.raises(NodeFailedError, match="a worker in its place pushes once admitted"):
+        push(r, 2, 1, 1.0)
+    r.rejoin(2)
+    assert answered(r.pull("pull", 2, [PullEntry(p, 0)])) == [("pull", 0)]  # its round 0: the part's round 2
+    with pytest.raises(ProtocolError, match="worker 2 pushed round 4 but its next round is 3"):
+        push(r, 2, 2, 1.0)  # its round 2 would be the part's 4
+    push(r, 2, 1, 5.0)
+    assert p.rounds == 2 and r.pull("pull 3", 2, [PullEntry(p, 1)]) == []  # round 3 waits for workers 0 and 1
+    push(r, 0, 3, 1.0)
+    got = push(r, 1, 3, 1.0)
+    assert ("pull 3", 0) in answered(got) and p.rounds == 3 and torch.all(p.value == 7.0)
+    rank0 = made(2)  # worker 0 back: its INIT value leaves the part's value alone
+    push(rank0, 0, 1, 1.0)
+    push(rank0, 1, 1, 2.0)
+    rank0.lose(0)
+    rank0.init("again", 0, "sync", [entry(value=torch.zeros(4))])
+    assert torch.all(rank0.part(0, 0).value == 3.0)
+
+
 def test_a_rescale_that_comes_before_its_round_merges_is_kept_for_it() -> None:
     """A pull that brings the rescale of a round not merged yet leaves it on the part: when the
     last push arrives (and its pusher never pulls, e.g. it was lost), the round is applied."""
