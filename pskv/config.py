@@ -9,7 +9,7 @@ variable                   default  meaning
 ``PSKV_CHUNK_BYTES``       4 MB     big slices are cut into parts of at most this many bytes (0: not cut); 256 KB when the job spans hosts
 ``PSKV_BATCH_BYTES``       8 MB     a push goes to a TCP server in messages of about this many bytes; 256 KB when the job spans hosts
 ``PSKV_MAX_MESSAGE_BYTES`` 64 MB    a server disconnects a client that sends a bigger frame; at least 2 x ``PSKV_CHUNK_BYTES``
-``PSKV_REPLICAS``          0        1: every part is also kept by the next server, and the job survives a lost server (``pskv launch --replicas``)
+``PSKV_REPLICAS``          0        R: every part is also kept by the next R servers, and the job survives R lost servers (``pskv launch --replicas``)
 ``PSKV_MIN_WORKERS``       0        go on while this many workers live (``pskv launch --min-workers``); 0: a lost worker ends the job
 ``PSKV_NONFINITE``         error    a pushed NaN/Inf: ``error`` (the push fails), ``skip`` (counted, pushed as 0) or ``allow``
 ``PSKV_SECRET``            (none)   the job's secret (``pskv launch`` makes one); or ``PSKV_SECRET_FILE``, a file only its owner reads
@@ -63,8 +63,8 @@ server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_co
 
 def replicas() -> int:
     value = getenv("PSKV_REPLICAS", 0)
-    if value not in (0, 1):
-        raise ValueError(f"PSKV_REPLICAS={value}: pskv keeps 0 or 1 replica of each part")
+    if value < 0:
+        raise ValueError(f"PSKV_REPLICAS={value}: the number of backups of each part is 0 or more")
     return value
 
 

@@ -63,8 +63,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for suffix, whom in (("", "every process"), ("-server", "servers only"), ("-worker", "workers only")):
         option(f"--env{suffix}", action="append", default=[], metavar="NAME[:VALUE]", help=f"environment for {whom}")
     option("--timeout", type=float, help="stop the job after this many seconds")
-    option("--replicas", type=int, choices=[0, 1], help="1: every server's parts are also kept by the next server, and "
-           "the job goes on when one server is lost (PSKV_REPLICAS; docs/DESIGN.md, 'A lost server')")  # fmt: skip
+    option("--replicas", type=int, metavar="R", help="every server's parts are also kept by the next R servers, and the "
+           "job goes on when up to R servers are lost (PSKV_REPLICAS; docs/DESIGN.md, 'A lost server')")  # fmt: skip
     option("--min-workers", type=int, metavar="K", help="go on without a worker that fails while K others live "
            "(PSKV_MIN_WORKERS; dist_sync rounds then sum the live workers' gradients); default: a lost worker ends the job")  # fmt: skip
     option("--max-restarts", type=int, used_by=("local",), metavar="N", help="start a worker the job went on without "
@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
             raise LaunchError(f"--max-restarts {args.max_restarts}: it must be >= 0, with --min-workers (a worker rejoins a job that went on without it)")
         env["PSKV_MAX_RESTARTS"] = str(args.max_restarts)
     if args.replicas:
+        servers = args.num_workers if args.num_servers is None else args.num_servers
+        if not 0 < args.replicas < servers:
+            raise LaunchError(f"--replicas {args.replicas}: it must be at least 0 and less than the number of servers, {servers}")
         env["PSKV_REPLICAS"] = str(args.replicas)
     spec = JobSpec(
         args.num_workers, args.num_workers if args.num_servers is None else args.num_servers, command,

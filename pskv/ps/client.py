@@ -115,19 +115,17 @@ class WorkerClient(Node):
         return handle
 
     def holders(self, server: int) -> list[int]:
-        """The live servers that keep ``server``'s parts: it (once lost, its backup), then its backup if live
-        (``PSKV_REPLICAS=1``: the next server keeps each part too and gets every push; docs/DESIGN.md)."""
-        backup = (server + 1) % self.num_servers
-        if server in self.lost_servers:
-            return [backup]
-        return [server, backup] if self.replicas and backup != server and backup not in self.lost_servers else [server]
+        """The live servers that keep ``server``'s parts, the one that answers first: it and its backups,
+        the next ``PSKV_REPLICAS`` servers of the ring, which get every push too (docs/DESIGN.md)."""
+        ring = [(server + i) % self.num_servers for i in range(min(self.replicas, self.num_servers - 1) + 1)]
+        return [s for s in ring if s not in self.lost_servers]
 
     def live_servers(self) -> list[int]:
         return [s for s in range(self.num_servers) if s not in self.lost_servers]
 
     def _failover(self, lost: int) -> None:
-        """Server ``lost`` is gone: what was queued for it, or sent and not answered, goes to its backup
-        as pulls (the backup got the pushes)."""
+        """Server ``lost`` is gone: what was queued for it, or sent and not answered, goes to its next
+        live backup as pulls (the backups got the pushes)."""
         with self._lock:
             self.lost_servers.add(lost)
             unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]

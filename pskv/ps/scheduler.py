@@ -318,7 +318,9 @@ class Scheduler:
             return self._let_go(node, f"{exc}; it was rejoining the job")
         left = len(self._members(node.role)) - 1  # (lost nodes are members of nothing)
         if self.started and node.role == "server" and left > 0 and self.env.num_servers - left <= self.replicas:  # lost, this one too: at most R
-            note = f"server {(node.rank + 1) % self.env.num_servers}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})"
+            live = {n.rank for n in self._members("server")} - {node.rank}
+            backup = next(b for b in ((node.rank + i) % self.env.num_servers for i in range(1, self.env.num_servers)) if b in live)
+            note = f"server {backup}, its backup, serves its parts (PSKV_REPLICAS={self.replicas})"
             return self._go_on_without(node, f"{exc}; {note}", Message(Type.SERVER_LOST, meta={"rank": node.rank}), "worker")
         if self.started and node.role == "worker" and 0 < self.min_workers <= left:
             note = f"the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})"

@@ -450,7 +450,7 @@ def _is_worker_2_of(pid: int, parent: int) -> bool:
 
 REPLICATED = """
 import os, signal, sys, torch, pskv
-kill_at = int(sys.argv[1])
+kills = {int(step): int(server) for step, server in (k.split(":") for k in sys.argv[1:])}  # step -> server to kill
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(50, 400), torch.nn.ReLU(), torch.nn.Linear(400, 300), torch.nn.ReLU(), torch.nn.Linear(300, 10))
 kv = pskv.kv.create("dist_sync")
@@ -459,9 +459,9 @@ kv.init(1000, torch.zeros(70000))  # cut over the servers; pushpull: pushes answ
 g = torch.Generator().manual_seed(kv.rank)
 extra = torch.empty(70000)
 for step in range(24):
-    if step == kill_at and kv.rank == 0:
-        os.kill(kv._client.servers[1]["pid"], signal.SIGKILL)
-        print("killed server 1", flush=True)
+    if step in kills and kv.rank == 0:
+        os.kill(kv._client.servers[kills[step]]["pid"], signal.SIGKILL)
+        print(f"killed server {kills[step]}", flush=True)
     x, y = torch.randn(32, 50, generator=g), torch.randint(0, 10, (32,), generator=g)
     net.zero_grad()
     torch.nn.functional.cross_entropy(net(x), y, reduction="sum").backward()
@@ -473,21 +473,25 @@ kv.close()
 """
 
 
-def test_replicas_a_killed_server_changes_no_result(tmp_path: Path) -> None:
-    """``--replicas 1``, 2 workers x 3 servers: server 1 killed (-9) in the middle of training (the
-    Trainer's overlapped held rounds, and pushpull). Its backup serves its parts, the workers send
-    it what server 1 had not answered, and the weights at the end equal, bit for bit, those of a
-    run without replicas or faults."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_replicas_a_killed_server_changes_no_result(tmp_path: Path, replicas: int) -> None:
+    """``--replicas R``, 2 workers x 3 servers: server 1 killed (-9) in the middle of training (the
+    Trainer's overlapped held rounds, and pushpull), and with R=2 server 2 later too. The next live
+    backup serves the lost server's parts, the workers send it what the lost one had not answered,
+    and the weights at the end equal, bit for bit, those of a run without replicas or faults."""
     import torch
 
     (tmp_path / "plain").mkdir()
     (tmp_path / "cut").mkdir()
-    res = launch(tmp_path / "plain", REPLICATED, 2, 3, args=["-1"], timeout=120)
+    res = launch(tmp_path / "plain", REPLICATED, 2, 3, timeout=120)
     assert res.code == 0, res
-    res = launch(tmp_path / "cut", REPLICATED, 2, 3, args=["10"], launch_args=["--replicas", "1"], timeout=120)
+    kills = ["10:1", "16:2"][:replicas]
+    res = launch(tmp_path / "cut", REPLICATED, 2, 3, args=kills, launch_args=["--replicas", str(replicas)], timeout=120)
     assert res.code == 0 and "killed server 1" in res.stdout, res
-    assert "server 1 was killed by SIGKILL; its backup serves its parts (--replicas 1)" in res.stderr, res
-    assert "server 2, its backup, serves its parts (PSKV_REPLICAS=1)" in res.stderr, res
+    assert f"server 1 was killed by SIGKILL; its backup serves its parts (--replicas {replicas})" in res.stderr, res
+    assert f"server 2, its backup, serves its parts (PSKV_REPLICAS={replicas})" in res.stderr, res
+    if replicas == 2:  # server 2 held its parts, server 1's and server 0's: server 0 now holds all
+        assert "server 0, its backup, serves its parts (PSKV_REPLICAS=2)" in res.stderr, res
     want = torch.load(tmp_path / "plain" / "params.0.pt")
     for rank in (0, 1):
         got = torch.load(tmp_path / "cut" / f"params.{rank}.pt")
