@@ -70,6 +70,7 @@ class WorkerClient(Node):
     def start(self) -> None:
         """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
         self.join(None)
+        self.lost_servers = {s for s, info in enumerate(self.servers) if info.get("lost")}
         self._batch_bytes = config.batch_bytes(self.across_hosts)
         if not self.servers:
             self.van.close(linger=0)

@@ -147,7 +147,7 @@ class Scheduler:
             raise ClusterError(f"cannot register role {role!r}")
         want = self.env.num_servers if role == "server" else self.env.num_workers
         workers = [n for n in self.nodes.values() if n.role == "worker"]
-        lost = sorted({n.rank for n in workers if n.lost} - {n.rank for n in workers if not n.lost}) if self.started else []
+        lost = sorted({n.rank for n in workers if n.lost} - {n.rank for n in workers if not n.lost}) if self.started and role == "worker" else []
         if lost and meta.get("id") in (None, *lost):
             return self._rejoin(peer, meta, lost[0] if meta.get("id") is None else meta["id"])
         if self.started or len(self._members(role)) >= want:
@@ -179,8 +179,8 @@ class Scheduler:
         say("scheduler", "all nodes registered; job started")
 
     def _table(self) -> dict[str, list[dict[str, Any]]]:
-        """The node table: every rank's latest node."""
-        latest = {(n.role, n.rank): n.info() for n in self.nodes.values()}  # (dicts keep registration order)
+        """The node table: every rank's latest node (a lost server's marked: a worker that rejoins skips it)."""
+        latest = {(n.role, n.rank): {**n.info(), **({"lost": True} if n.lost else {})} for n in self.nodes.values()}
         return {f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")}
 
     def _rejoin(self, peer: str, meta: dict[str, Any], rank: int) -> None:

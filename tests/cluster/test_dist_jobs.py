@@ -609,3 +609,42 @@ def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path) -
     assert [e["epoch"] for e in epochs] == list(range(1, 13)), epochs
     counts = [e["workers"] for e in epochs]
     assert counts[0] == 3 and 2 in counts and counts[-1] == 3 and counts.index(2) < len(counts) - 1, counts
+
+
+def test_max_restarts_with_replicas_after_a_lost_server(tmp_path: Path) -> None:
+    """``--replicas 1 --min-workers 2 --max-restarts 1``, 3 workers x 3 servers, a key cut over the
+    servers: server 1 is killed, then worker 2; the restarted worker skips the lost server (the node
+    table marks it), is counted in by the two live servers (primary and backup alike) and every
+    element of every round's value is the round's sum."""
+    script = """
+    import os, signal, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(300000))
+    out, seen = torch.empty(300000), []
+    def step():
+        kv.push("w", torch.ones(300000))
+        kv.pull("w", out)
+        seen.append(out[0].item() if torch.all(out == out[0]) else "mixed")
+    if kv.rejoined:
+        members = kv.allgather(kv.rank)
+        kv.pull("w", out)
+        seen.append(out[0].item())
+    else:
+        for i in range(8):
+            if kv.rank == 0 and i == 2:
+                os.kill(kv._client.servers[1]["pid"], signal.SIGKILL)
+            if kv.rank == 2 and i == 4:
+                os.kill(os.getpid(), signal.SIGKILL)
+            step()
+        while len(members := kv.allgather(kv.rank)) < 3:
+            time.sleep(0.2)
+    for i in range(4):
+        step()
+    print("seen", kv.rank, members, seen, flush=True)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 3, launch_args=["--replicas", "1", "--min-workers", "2", "--max-restarts", "1"], timeout=150)
+    assert res.code == 0, res
+    for rank in (0, 1):
+        assert f"seen {rank} [0, 1, 2] {[3.0] * 4 + [2.0] * 4 + [3.0] * 4}" in res.stdout, res
+    assert "seen 2 [0, 1, 2] [2.0, 3.0, 3.0, 3.0, 3.0]" in res.stdout, res
