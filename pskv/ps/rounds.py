@@ -227,7 +227,8 @@ class Rounds:
                 if p.rescale is None or p.rescale[0] != p.rounds + 1 or self.optimizer is None:
                     p.held = merged
                     break
-                self.optimizer.set_rescale_grad(p.rescale[1])  # a pull of this round came already
+                out += self._apply(p, merged, p.rescale[1])  # a pull of this round came already
+                continue
             out += self._apply(p, merged)
         return out
 
@@ -247,11 +248,18 @@ class Rounds:
             p.scratch = torch.empty_like(p.value)
         return _sum_into(p.scratch, grads)
 
-    def _apply(self, p: Part, merged: Optional[Tensor]) -> list[Answer]:
-        """Apply a round's merged gradient (the optimizer, or assignment); the pulls it completes."""
+    def _apply(self, p: Part, merged: Optional[Tensor], rescale: Optional[float] = None) -> list[Answer]:
+        """Apply a round's merged gradient (the optimizer, or assignment); the pulls it completes. A held
+        round's ``rescale`` is for its update only: other parts' plain pushes keep the optimizer's own."""
         assert p.value is not None
-        if merged is not None:
-            apply_push(self.optimizer, p.state_key, merged, p.value, merged_is_scratch=merged is p.scratch)
+        opt, scratch = self.optimizer, merged is p.scratch
+        if merged is not None and opt is not None and rescale is not None:
+            base = opt.rescale_grad
+            opt.set_rescale_grad(rescale)
+            apply_push(opt, p.state_key, merged, p.value, merged_is_scratch=scratch)
+            opt.set_rescale_grad(base)
+        elif merged is not None:
+            apply_push(opt, p.state_key, merged, p.value, merged_is_scratch=scratch)
         p.rounds += 1
         ready = [w for w in p.pulls if w.round <= p.rounds]
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
@@ -273,8 +281,7 @@ class Rounds:
             p = e.part
             if e.rescale is not None and p.held is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 held, p.held = p.held, None  # the held round's update, with the rescale this pull brings
-                self.optimizer.set_rescale_grad(e.rescale)
-                out += self._apply(p, held)
+                out += self._apply(p, held, e.rescale)
                 out += self._complete(p)
             elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)

@@ -229,7 +229,7 @@ def test_a_held_round_waits_for_the_rescale_a_pull_brings() -> None:
     assert torch.all(p.value == 1 - 1.0 * 0.25 * 3)
     push(r, 0, 2, 1.0)  # an ordinary round after it: applied at once, with the optimizer's own rescale
     push(r, 1, 2, 1.0)
-    assert p.rounds == 2 and torch.allclose(p.value, torch.full((4, 1), 0.25 - 0.25 * 2))
+    assert p.rounds == 2 and torch.allclose(p.value, torch.full((4, 1), 0.25 - 1.0 * 2))  # (not the held round's 0.25)
 
 
 def test_a_lost_worker_leaves_its_rounds_to_the_others() -> None:
@@ -306,3 +306,18 @@ def test_a_mirror_pull_brings_the_rescale_and_is_only_acknowledged() -> None:
         r.push(f"push {rank}", rank, [PushEntry(p, 1, torch.full((4, 1), rank + 1.0), False, held=True)])
     (a,) = r.pull("mirror", 0, [PullEntry(p, 1, rescale=0.25, mirror=True)])
     assert (a.req, a.value) == ("mirror", None) and p.rounds == 1 and torch.all(p.value == 1 - 0.25 * 3)
+
+
+def test_a_held_rounds_rescale_is_for_its_update_only() -> None:
+    """A held round (Trainer.step) is applied with the rescale its pull brings; a plain push of
+    another key merged afterwards uses the optimizer's own rescale_grad, not the one left behind
+    (the replicated-server test's pushpull key once got 1/32 or 1 by timing)."""
+    r = made(1)
+    r.init("init 1", 0, "sync", [entry(key=1, value=torch.ones(4))])
+    held, plain = r.part(0, 0), r.part(1, 0)
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0).describe(), keep_states=False)
+    r.push("held", 0, [PushEntry(held, 1, torch.full((4, 1), 1.0), False, held=True)])
+    r.pull("step", 0, [PullEntry(held, 1, rescale=0.5)])
+    assert torch.all(held.value == 1 - 0.5)
+    r.push("plain", 0, [PushEntry(plain, 1, torch.full((4, 1), 1.0), False)])
+    assert torch.all(plain.value == 1 - 1.0) and r.optimizer is not None and r.optimizer.rescale_grad == 1.0
