@@ -114,8 +114,7 @@ class ProcessContext:
         self.lifeline, self._lifeline_w = os.pipe()
         self.started_fd = -1  # where the scheduler says the job started (start_scheduler)
         self.started = self.ended = False  # what the scheduler said: the job started, ended
-        self.declared: list[str] = []  # the processes it declared lost and went on without, not restarted
-        self.restarts = [0, 0]  # done, allowed (--max-restarts)
+        self.restarts = self.max_restarts = 0  # of workers it declared lost (--max-restarts)
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -174,9 +173,6 @@ class ProcessContext:
                     proc.sample()
                 next_sample = time.monotonic() + 0.25
             self._hear(lost)
-            for name in [n for n in self.declared if n.startswith("worker ")] if not self.ended else []:
-                self.declared.remove(name)
-                self._restart(next(p for p in reversed(self.procs) if p.name == name))
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
             failed = sorted((p for p, _ in self.watched if p.returncode and p not in lost), key=lambda p: (p.returncode or 0) > 0)
@@ -216,15 +212,15 @@ class ProcessContext:
                 return self._stop(124, f"the job ran past its time limit of {timeout:g} s; stopped it")
             time.sleep(0.05)
 
-    def _restart(self, proc: Proc) -> None:
-        """Start ``proc`` (a worker the scheduler declared lost) anew, if --max-restarts allows: it
-        rejoins the running job (docs/DESIGN.md, "Elastic workers")."""
-        done, allowed = self.restarts
-        if done < allowed and proc.again is not None:
+    def _restart(self, name: str) -> None:
+        """Start the worker ``name`` the scheduler declared lost anew, if --max-restarts allows and it is a
+        process of ours: it rejoins the running job (docs/SPEC.md, "A worker back in a lost one's place")."""
+        proc = next((p for p in reversed(self.procs) if p.name == name), None)  # (mpirun, srun...: none)
+        if self.restarts < self.max_restarts and proc is not None and proc.again is not None:
             self._signal(proc.popen, signal.SIGKILL)  # stopped (SIGSTOP) or cut off: it is not coming back
-            self.restarts[0] += 1
-            proc.again(done + 1)
-            self.report(f"restarted {proc.name} (restart {done + 1} of {allowed})")
+            self.restarts += 1
+            proc.again(self.restarts)
+            self.report(f"restarted {name} (restart {self.restarts} of {self.max_restarts})")
 
     def _stop(self, status: int, text: str) -> int:
         self.stop_all()
@@ -242,7 +238,8 @@ class ProcessContext:
             for line in data.decode(errors="replace").split("\n"):
                 self.started, self.ended = self.started or line == "started", self.ended or line == "ended"
                 lost += [p for p, _ in self.watched if line == f"lost {p.name}" and p not in lost]
-                self.declared += [line[5:]] if line.startswith("lost ") else []
+                if line.startswith("lost worker ") and not self.ended:  # (a worker too late to rejoin: ended first)
+                    self._restart(line[5:])
 
     def stop_all(self) -> None:
         """Stop every process still running: EOF on its stdin pipe if it has one, else SIGTERM to
@@ -366,7 +363,7 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         timeout = None if spec.timeout is None else spec.timeout + backend.slack
         env = {**spec.environ, **spec.env}
         min_workers, replicas = int(env.get("PSKV_MIN_WORKERS") or 0), int(env.get("PSKV_REPLICAS") or 0) if spec.num_servers > 1 else 0
-        ctx.restarts[1] = int(env.get("PSKV_MAX_RESTARTS") or 0) if min_workers else 0
+        ctx.max_restarts = int(env.get("PSKV_MAX_RESTARTS") or 0) if min_workers else 0
         status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas)
         return status
     except BaseException as exc:
