@@ -131,6 +131,7 @@ class Rounds:
         self.parts: dict[tuple[int, int], Part] = {}
         self.optimizer: Optional[Optimizer] = None
         self.finished: set[int] = set()  # workers that closed their store
+        self.returned: set[int] = set()  # workers back in lost ones' places: their rounds count from Part.base
 
     def part(self, key: int, index: int) -> Part:
         """The part ``(key, index)``, with its value (else :class:`KeyNotInitializedError`)."""
@@ -172,7 +173,7 @@ class Rounds:
 
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
         """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
-        entries = _from_base(rank, entries)
+        entries = _from_base(rank, entries) if rank in self.returned else entries
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
@@ -267,7 +268,7 @@ class Rounds:
 
     def pull(self, req: Any, rank: int, entries: list[PullEntry]) -> list[Answer]:
         """Answer each entry now if its round is complete (async: always), else when it is."""
-        entries = _from_base(rank, entries)
+        entries = _from_base(rank, entries) if rank in self.returned else entries
         for e in entries:
             p = e.part
             if p.mode == "sync" and e.round > p.pushed.get(rank, 0):
@@ -346,6 +347,7 @@ class Rounds:
         where each worker pulled what it pushed: every live worker pushed the same rounds."""
         self.workers = sorted({*self.workers, rank})
         self.finished.discard(rank)
+        self.returned.add(rank)
         for p in self.parts.values():
             p.base[rank] = p.pushed[rank] = max(p.pushed.get(r, 0) for r in self.workers)
 
