@@ -536,38 +536,43 @@ def test_replicas_work_after_close_is_not_cut_short(tmp_path: Path) -> None:
     assert res.code == 0 and "saved 0" in res.stdout and "saved 1" in res.stdout, res
 
 
+REJOINING = """
+import os, signal, sys, time, torch, pskv
+numel, server_kill, worker_kill = map(int, sys.argv[1:])  # worker 2 kills itself before push worker_kill
+kv = pskv.kv.create("dist_sync")
+kv.init("w", torch.zeros(numel))
+out, seen = torch.empty(numel), []
+def step():
+    kv.push("w", torch.ones(numel))
+    kv.pull("w", out)
+    seen.append(out[0].item() if torch.all(out == out[0]) else "mixed")
+if kv.rejoined:
+    assert kv.rank == 2 and os.environ["PSKV_RESTARTS"] == "1", (kv.rank, os.environ.get("PSKV_RESTARTS"))
+    members = kv.allgather(kv.rank)
+    kv.pull("w", out)
+    seen.append(out[0].item())
+else:
+    for i in range(8):
+        if kv.rank == 0 and i == server_kill:
+            os.kill(kv._client.servers[1]["pid"], signal.SIGKILL)
+        if kv.rank == 2 and i == worker_kill:
+            os.kill(os.getpid(), signal.SIGKILL)
+        step()
+    while len(members := kv.allgather(kv.rank)) < 3:  # until worker 2 is back
+        time.sleep(0.2)
+for i in range(4):
+    step()
+print("seen", kv.rank, members, seen, flush=True)
+kv.close()
+"""
+
+
 def test_max_restarts_a_killed_worker_rejoins_the_running_job(tmp_path: Path) -> None:
     """``--min-workers 2 --max-restarts 1`` of 3: worker 2 kills itself (-9) before its 4th push; the
     launcher starts it again (``PSKV_RESTARTS=1``, ``kv.rejoined``); it waits in its first allgather
     for the others' next one, is admitted there, pulls the current value (the 2 live workers' sum) and
     from then on every round sums 3 pushes again (no optimizer: the value is the round's sum)."""
-    script = """
-    import os, signal, time, torch, pskv
-    kv = pskv.kv.create("dist_sync")
-    kv.init("w", torch.zeros(4))
-    out, seen = torch.empty(4), []
-    if kv.rejoined:
-        assert kv.rank == 2 and os.environ["PSKV_RESTARTS"] == "1", (kv.rank, os.environ.get("PSKV_RESTARTS"))
-        members = kv.allgather(kv.rank)
-        kv.pull("w", out)
-        seen.append(out[0].item())
-    else:
-        for step in range(8):
-            if kv.rank == 2 and step == 3:
-                os.kill(os.getpid(), signal.SIGKILL)
-            kv.push("w", torch.ones(4))
-            kv.pull("w", out)
-            seen.append(out[0].item())
-        while len(members := kv.allgather(kv.rank)) < 3:  # until worker 2 is back
-            time.sleep(0.2)
-    for step in range(4):
-        kv.push("w", torch.ones(4))
-        kv.pull("w", out)
-        seen.append(out[0].item())
-    print("seen", kv.rank, members, seen, flush=True)
-    kv.close()
-    """
-    res = launch(tmp_path, script, 3, 2, launch_args=["--min-workers", "2", "--max-restarts", "1"], timeout=150)
+    res = launch(tmp_path, REJOINING, 3, 2, args=["4", "-1", "3"], launch_args=["--min-workers", "2", "--max-restarts", "1"], timeout=150)
     assert res.code == 0, res
     for rank in (0, 1):
         assert f"seen {rank} [0, 1, 2] {[3.0] * 3 + [2.0] * 5 + [3.0] * 4}" in res.stdout, res
@@ -616,34 +621,8 @@ def test_max_restarts_with_replicas_after_a_lost_server(tmp_path: Path) -> None:
     servers: server 1 is killed, then worker 2; the restarted worker skips the lost server (the node
     table marks it), is counted in by the two live servers (primary and backup alike) and every
     element of every round's value is the round's sum."""
-    script = """
-    import os, signal, time, torch, pskv
-    kv = pskv.kv.create("dist_sync")
-    kv.init("w", torch.zeros(300000))
-    out, seen = torch.empty(300000), []
-    def step():
-        kv.push("w", torch.ones(300000))
-        kv.pull("w", out)
-        seen.append(out[0].item() if torch.all(out == out[0]) else "mixed")
-    if kv.rejoined:
-        members = kv.allgather(kv.rank)
-        kv.pull("w", out)
-        seen.append(out[0].item())
-    else:
-        for i in range(8):
-            if kv.rank == 0 and i == 2:
-                os.kill(kv._client.servers[1]["pid"], signal.SIGKILL)
-            if kv.rank == 2 and i == 4:
-                os.kill(os.getpid(), signal.SIGKILL)
-            step()
-        while len(members := kv.allgather(kv.rank)) < 3:
-            time.sleep(0.2)
-    for i in range(4):
-        step()
-    print("seen", kv.rank, members, seen, flush=True)
-    kv.close()
-    """
-    res = launch(tmp_path, script, 3, 3, launch_args=["--replicas", "1", "--min-workers", "2", "--max-restarts", "1"], timeout=150)
+    launch_args = ["--replicas", "1", "--min-workers", "2", "--max-restarts", "1"]
+    res = launch(tmp_path, REJOINING, 3, 3, args=["300000", "2", "4"], launch_args=launch_args, timeout=150)
     assert res.code == 0, res
     for rank in (0, 1):
         assert f"seen {rank} [0, 1, 2] {[3.0] * 4 + [2.0] * 4 + [3.0] * 4}" in res.stdout, res
