@@ -11,7 +11,8 @@ from typing import Any
 
 from ..errors import LaunchError
 
-LAUNCHERS = ("local", "ssh", "mpi", "slurm", "sge", "yarn", "kubernetes")
+#: each launcher: its module, and what there makes its backend from a JobSpec (slurm: Srun or Sbatch)
+LAUNCHERS = {"local": "Local", "ssh": "Ssh", "mpi": "Mpi", "slurm": "backend", "sge": "Sge", "yarn": "Yarn", "kubernetes": "Kubernetes"}
 #: option (argparse dest) -> its flags and the launchers that use it; giving it to another is an error
 _USED_BY: dict[str, tuple[str, tuple[str, ...]]] = {}
 
@@ -47,12 +48,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
 
-    def option(*flags: str, used_by: Sequence[str] = LAUNCHERS, **kw: Any) -> None:
+    def option(*flags: str, used_by: Sequence[str] = (), **kw: Any) -> None:
         action = p.add_argument(*flags, **kw)
-        if used_by != LAUNCHERS:
+        if used_by:  # else every launcher uses it
             _USED_BY[action.dest] = ("/".join(action.option_strings), tuple(used_by))
 
-    cluster, yarn_k8s = LAUNCHERS[1:], ("yarn", "kubernetes")
+    cluster, yarn_k8s = tuple(LAUNCHERS)[1:], ("yarn", "kubernetes")
     option("-n", "--num-workers", type=int, required=True, help="number of workers")
     option("-s", "--num-servers", type=int, help="number of servers (default: as many as workers)")
     option("--launcher", default="local", choices=LAUNCHERS, help="how to start the processes (default: local)")
@@ -108,21 +109,18 @@ def run(args: argparse.Namespace) -> int:
     if not ssh_command:
         raise LaunchError("--ssh-command is empty")
     env = parse_env_specs(args.env)
-    if args.min_workers is not None:
-        if not 1 <= args.min_workers < args.num_workers:
-            raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
-        env["PSKV_MIN_WORKERS"] = str(args.min_workers)
-    if args.max_restarts is not None:
-        if args.max_restarts < 0 or args.min_workers is None:
-            raise LaunchError(f"--max-restarts {args.max_restarts}: it must be >= 0, with --min-workers (a worker rejoins a job that went on without it)")
-        env["PSKV_MAX_RESTARTS"] = str(args.max_restarts)
-    if args.replicas:
-        servers = args.num_workers if args.num_servers is None else args.num_servers
-        if not 0 < args.replicas < servers:
-            raise LaunchError(f"--replicas {args.replicas}: it must be at least 0 and less than the number of servers, {servers}")
-        env["PSKV_REPLICAS"] = str(args.replicas)
+    servers = args.num_workers if args.num_servers is None else args.num_servers
+    if args.min_workers is not None and not 1 <= args.min_workers < args.num_workers:
+        raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
+    if args.max_restarts is not None and (args.max_restarts < 0 or args.min_workers is None):
+        raise LaunchError(f"--max-restarts {args.max_restarts}: it must be >= 0, with --min-workers (a worker rejoins a job that went on without it)")
+    if args.replicas and not 0 < args.replicas < servers:
+        raise LaunchError(f"--replicas {args.replicas}: it must be at least 0 and less than the number of servers, {servers}")
+    for var, value in (("PSKV_MIN_WORKERS", args.min_workers), ("PSKV_MAX_RESTARTS", args.max_restarts), ("PSKV_REPLICAS", args.replicas or None)):
+        if value is not None:  # every process reads them (docs/DESIGN.md)
+            env[var] = str(value)
     spec = JobSpec(
-        args.num_workers, args.num_workers if args.num_servers is None else args.num_servers, command,
+        args.num_workers, servers, command,
         env=env,
         role_env={"server": parse_env_specs(args.env_server), "worker": parse_env_specs(args.env_worker)},
         python=args.python or "python3", hosts=read_hostfile(args.hostfile) if args.hostfile else [],
@@ -130,4 +128,5 @@ def run(args: argparse.Namespace) -> int:
         name=args.job_name or "", image=args.image, port=DEFAULT_PORT if args.port is None else args.port,
         cpus=args.cpus, memory_mb=args.memory, output=args.output, dry_run=args.dry_run,
     )  # fmt: skip
-    return run_job(spec, importlib.import_module(f"{__name__}.{args.launcher}").backend(spec))
+    module = importlib.import_module(f"{__name__}.{args.launcher}")
+    return run_job(spec, getattr(module, LAUNCHERS[args.launcher])(spec))

@@ -41,14 +41,20 @@ class LineBuffer:
         return [rest + b"\n"] if rest else []
 
 
-def pump(pipe: IO[bytes], emit: Callable[[list[bytes]], None]) -> None:
-    """Hand each batch of whole lines read from ``pipe`` to ``emit`` until EOF, then close it.
-    Blocks: run one thread per pipe."""
-    buffer = LineBuffer()
-    with pipe:
-        for chunk in iter(functools.partial(os.read, pipe.fileno(), 65536), b""):
-            emit(buffer.feed(chunk))
-        emit(buffer.end())
+def pump(pipe: IO[bytes], emit: Callable[[list[bytes]], None]) -> threading.Thread:
+    """A started thread that hands each batch of whole lines read from ``pipe`` to ``emit`` until
+    EOF, then closes it."""
+
+    def run() -> None:
+        buffer = LineBuffer()
+        with pipe:
+            for chunk in iter(functools.partial(os.read, pipe.fileno(), 65536), b""):
+                emit(buffer.feed(chunk))
+            emit(buffer.end())
+
+    thread = threading.Thread(target=run, daemon=True, name="pskv-pump")
+    thread.start()
+    return thread
 
 
 class GuardError(Exception):
@@ -91,17 +97,6 @@ def child_env(
     return env
 
 
-def read_line(fd: int) -> str:
-    """One line from ``fd``, read byte by byte so that nothing after it is taken."""
-    line = b""
-    while not line.endswith(b"\n"):
-        byte = os.read(fd, 1)
-        if not byte:
-            raise GuardError("--secret-stdin: standard input ended before the secret's line")
-        line += byte
-    return line.decode().strip()
-
-
 def exit_status(code: int) -> int:
     """A shell's exit status for a ``Popen`` return code: 128 + N for signal N."""
     return 128 - code if code < 0 else code
@@ -136,8 +131,7 @@ class Guard:
 
     def __init__(self, argv: Sequence[str], env: Mapping[str, str], name: str, prefix: str, grace: float):
         self.argv, self.env, self.name, self.prefix, self.grace = list(argv), dict(env), name, prefix, grace
-        self.stop_reason, self.stop_signal = "", signal.SIGTERM
-        self.stopping = threading.Event()
+        self.stop_reason, self.stop_signal = "", signal.SIGTERM  # a reason: stop COMMAND with that signal
         self.lock = threading.Lock()
         # a session leader (ssh, Grid Engine) keeps COMMAND in its session; elsewhere it gets its own
         self.own_session = os.getsid(0) == os.getpid()
@@ -152,9 +146,8 @@ class Guard:
                 os.write(fd, self.prefix.encode() + line)
 
     def request_stop(self, reason: str, sig: signal.Signals = signal.SIGTERM) -> None:
-        if not self.stopping.is_set():  # also ignores our own group signal coming back to us
+        if not self.stop_reason:  # also ignores our own group signal coming back to us
             self.stop_reason, self.stop_signal = reason, sig
-            self.stopping.set()
 
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
         sig = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
@@ -204,13 +197,11 @@ class Guard:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         pipes = [(popen.stdout, 1), (popen.stderr, 2)] if self.prefix else []
-        pumps = [threading.Thread(target=pump, args=(p, functools.partial(self._write, fd)), daemon=True) for p, fd in pipes]
-        for t in pumps:
-            t.start()
+        pumps = [pump(p, functools.partial(self._write, fd)) for p, fd in pipes if p is not None]
         if watch_stdin:
             threading.Thread(target=self._watch_stdin, daemon=True).start()
-        while popen.poll() is None and not self.stopping.wait(0.1):
-            pass
+        while popen.poll() is None and not self.stop_reason:
+            time.sleep(0.1)
         if popen.poll() is None:
             terminate([popen], self._signal_group, self._kill_late, self.grace)
         code = popen.wait()
@@ -250,8 +241,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         names = [n.strip() for n in args.rank_from.split(",") if n.strip()]
         env = child_env(os.environ, names, args.rank_offset, args.workers_here)
-        if args.secret_stdin:
-            env["PSKV_SECRET"] = read_line(0)
+        if args.secret_stdin:  # the launcher writes nothing after it: the rest of stdin is only watched for EOF
+            line = sys.stdin.buffer.readline()
+            if not line.endswith(b"\n"):
+                raise GuardError("--secret-stdin: standard input ended before the secret's line")
+            env["PSKV_SECRET"] = line.decode().strip()
     except GuardError as exc:
         print(f"pskv guard: {exc}", file=sys.stderr, flush=True)
         return 2

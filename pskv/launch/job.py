@@ -29,8 +29,6 @@ from .spec import SERVE, JobSpec
 
 Show = Literal["prefix", "raw", "tail"]
 Stdin = Literal["devnull", "pipe", "secret"]  # secret: a pipe whose first line is the env's PSKV_SECRET
-#: a guard's failure line ("pskv guard: worker 1 failed: ..."), quoted in the report, its status taken
-GUARD_FAILURE = ("pskv guard: ", " failed: ")
 
 
 class Watched(Protocol):
@@ -55,6 +53,7 @@ class Proc:
     tail: list[str] = field(default_factory=list)  # its last lines, for the failure report
     failure: str = ""  # the first guard failure line among them
     peak_rss_mb: float = 0.0  # the largest resident size seen (Linux VmHWM), sampled while it runs
+    state: str = ""  # as last sampled (Linux /proc): "T" is stopped (SIGSTOP)
     again: Optional[Callable[[int], Proc]] = None  # start it anew, its nth restart (--max-restarts)
 
     @property
@@ -62,25 +61,12 @@ class Proc:
         return self.popen.poll()
 
     def sample(self) -> None:
-        with contextlib.suppress(OSError, ValueError), open(f"/proc/{self.popen.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    self.peak_rss_mb = max(self.peak_rss_mb, int(line.split()[1]) / 1024)
-
-    def stopped(self) -> bool:
-        """Whether it is stopped (SIGSTOP; Linux: state T in /proc)."""
-        with contextlib.suppress(OSError, IndexError), open(f"/proc/{self.popen.pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-        return False
-
-
-@dataclass
-class Done:
-    """A submission that has already ended."""
-
-    name: str
-    returncode: Optional[int]
-    tail: list[str]
+        with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{self.popen.pid}/status") as f:
+            for key, _, value in (line.partition(":") for line in f):
+                if key == "VmHWM":
+                    self.peak_rss_mb = max(self.peak_rss_mb, int(value.split()[0]) / 1024)
+                elif key == "State":
+                    self.state = value.split()[0]
 
 
 def failure_status(line: str) -> int:
@@ -108,7 +94,7 @@ class ProcessContext:
         self.procs: list[Proc] = []
         self.watched: list[tuple[Watched, bool]] = []  # (process, main), in start order: see wait()
         self.on_stop: Optional[Callable[[], None]] = None  # run once when the job stops early: cancel cluster jobs
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: run_job's signal handler reports from the main thread
         # every process gets the read end; when this launcher dies (even by SIGKILL) the pipe ends,
         # and every pskv process of the job stops with an error (PSKV_LIFELINE, docs/DESIGN.md)
         self.lifeline, self._lifeline_w = os.pipe()
@@ -133,10 +119,8 @@ class ProcessContext:
                 popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
                 popen.stdin.flush()
         proc = Proc(name, popen, again=lambda n: self.start(name, argv, {**env, "PSKV_RESTARTS": str(n)}, pass_fds, show, stdin, main))
-        for pipe, sink in ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr)):
-            emit = functools.partial(self._emit, proc, sink, show)
-            proc.readers.append(threading.Thread(target=pump, args=(pipe, emit), daemon=True, name=f"pskv-out-{name}"))
-            proc.readers[-1].start()
+        pipes = ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr))
+        proc.readers = [pump(pipe, functools.partial(self._emit, proc, sink, show)) for pipe, sink in pipes if pipe is not None]
         self.procs.append(proc)
         self.watch(proc, main)
         return proc
@@ -148,8 +132,8 @@ class ProcessContext:
     def _emit(self, proc: Proc, sink: IO[str], show: Show, raw: list[bytes]) -> None:
         lines = [line.decode(errors="replace") for line in raw]
         with self._lock:
-            if not proc.failure:
-                proc.failure = next((line.strip() for line in lines if all(part in line for part in GUARD_FAILURE)), "")
+            if not proc.failure:  # a guard's failure line ("pskv guard: worker 1 failed: ..."): quoted in the report, its status taken
+                proc.failure = next((line.strip() for line in lines if "pskv guard: " in line and " failed: " in line), "")
             proc.tail = [*proc.tail, *(line.rstrip("\r\n") for line in lines if line.strip())][-self.TAIL :]
             if show != "tail":
                 tag = f"[{proc.name}] " if show == "prefix" else ""
@@ -165,13 +149,10 @@ class ProcessContext:
         without it); ``timeout`` stops the job with 124."""
         started = time.monotonic()
         finished_at: Optional[float] = None
-        next_sample = 0.0
         lost: list[Watched] = []  # declared lost: the job goes on without them
         while True:
-            if time.monotonic() >= next_sample:
-                for proc in self.procs:
-                    proc.sample()
-                next_sample = time.monotonic() + 0.25
+            for proc in self.procs:
+                proc.sample()
             self._hear(lost)
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)
@@ -196,7 +177,7 @@ class ProcessContext:
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
             if any(p.name == "scheduler" and p.returncode == 0 for p in self.procs):  # the job is done
-                frozen = [p.name for p in self.procs if p.returncode is None and p not in lost and p.stopped()]
+                frozen = [p.name for p in self.procs if p.returncode is None and p not in lost and p.state == "T"]
                 if frozen:  # a stopped process can do no more work: waiting for it would never end
                     return self._stop(1, f"the job finished, but {', '.join(frozen)} is stopped (SIGSTOP?) and did not exit; stopped it")
             alive = [p.name for p, main in self.watched if not main and p.returncode is None and p not in lost]
@@ -290,10 +271,6 @@ class Planned:
     stdin: Stdin = "devnull"
     delay: float = 0.0  # seconds to wait before starting it
 
-    def describe(self) -> str:
-        env = "".join(f"{shlex.quote(f'{k}={v}')} " for k, v in self.env.items())
-        return f"{self.name}: {env}{shlex.join(self.argv)}"
-
 
 class Backend:
     """How one launcher plans, starts and cancels the job's processes; by default, its :meth:`processes` here."""
@@ -315,17 +292,20 @@ class Backend:
 
     def plan(self, port: Optional[int]) -> str:
         """What ``--dry-run`` prints."""
-        return "\n".join(p.describe() for p in self.processes(port))
+        shown = [(p.name, [*(f"{k}={v}" for k, v in p.env.items()), *p.argv]) for p in self.processes(port)]
+        return "\n".join(f"{name}: {shlex.join(words)}" for name, words in shown)
 
     def prepare(self) -> None:
         """Checks and copies before anything starts (not for ``--dry-run``)."""
 
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
-        """Start the servers and workers, or what stands for them."""
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> Optional[int]:
+        """Start the servers and workers, or what stands for them; the job's status if that was all of it
+        (a submission), else None: :meth:`ProcessContext.wait` waits for the job."""
         for p in self.processes(port):
             time.sleep(p.delay)
             env = {**self.spec.environ, **p.env, **self.spec.secret_env()}
             ctx.start(p.name, p.argv, env, show=p.show, stdin=p.stdin, main=p.main)
+        return None
 
     def cancel(self, ctx: ProcessContext) -> None:
         """Stop what runs elsewhere (``scancel``, ``qdel``); called once, when the job stops early."""
@@ -334,21 +314,50 @@ class Backend:
         """After the job (``status`` None: it raised): remove files, or keep and name them."""
 
 
+class Document(Backend):
+    """A launcher that hands the cluster one document (yarn, kubernetes), :attr:`text`: written to
+    ``--output``, else handed to :attr:`tool` by :meth:`submit`; ``--dry-run`` prints it without the secret."""
+
+    launcher = tool = hint = ""  # its name, the cluster tool (its path once prepared), and what to do without it
+    text = written = success = ""  # the document; the reports once written to --output, once submitted
+    command: list[str]  # the submission, as a user would type it
+
+    def plan(self, port: Optional[int]) -> str:
+        secret = self.spec.secret
+        return self.text.replace(secret, "<the job's secret, made anew at launch>") if secret else self.text
+
+    def prepare(self) -> None:
+        if not self.spec.output:
+            self.tool = require_tool(self.tool, self.launcher, self.hint)
+
+    def start(self, ctx: ProcessContext, port: Optional[int]) -> int:
+        if self.spec.output:
+            write_private(self.spec.output, self.text)
+            ctx.report(self.written)
+            return 0
+        res = self.submit()
+        sys.stdout.write(res.stdout)
+        sys.stderr.write(res.stderr)
+        ctx.report(self.success if res.returncode == 0 else f"`{shlex.join(self.command)}` {describe_exit(res.returncode)}")
+        return exit_status(res.returncode)
+
+    def submit(self) -> subprocess.CompletedProcess[str]:
+        """Run :attr:`tool` to hand the document over."""
+        raise NotImplementedError
+
+
 def run_job(spec: JobSpec, backend: Backend) -> int:
     """Run the job ``spec`` through ``backend`` (e.g. ``ssh.Ssh(spec)``) until it ends or is submitted;
     the exit status. A bad option, tool or host raises :class:`LaunchError` before anything starts."""
     here = bool(spec.num_servers and backend.address)
     if spec.dry_run:
         try:
-            note = f"scheduler here, bound to {backend.address} (its port replaces DMLC_PS_ROOT_PORT=0 below)\n"
-            sys.stdout.write(f"# {backend.title}\n{note if here else ''}{backend.plan(0 if here else None).rstrip()}\n")
-            sys.stdout.flush()
+            note = f"scheduler here, bound to {backend.address} (its port replaces DMLC_PS_ROOT_PORT=0 below)\n" if here else ""
+            print(f"# {backend.title}\n{note}{backend.plan(0 if here else None).rstrip()}", flush=True)
             return 0
         finally:
             backend.close(0)
-    backend.prepare()
     ctx = backend.ctx = ProcessContext()
-    ctx.on_stop = lambda: backend.cancel(ctx)
 
     def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:
         ctx.report(f"got {signal.Signals(signum).name}; stopping the job")
@@ -359,12 +368,15 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
     status: Optional[int] = None
     try:
-        backend.start(ctx, start_scheduler(ctx, spec, backend) if here else None)
-        timeout = None if spec.timeout is None else spec.timeout + backend.slack
-        env = {**spec.environ, **spec.env}
-        min_workers, replicas = int(env.get("PSKV_MIN_WORKERS") or 0), int(env.get("PSKV_REPLICAS") or 0) if spec.num_servers > 1 else 0
-        ctx.max_restarts = int(env.get("PSKV_MAX_RESTARTS") or 0) if min_workers else 0
-        status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas)
+        backend.prepare()  # in here: close() removes what the backend wrote (mpi's hostfile) if it fails
+        ctx.on_stop = lambda: backend.cancel(ctx)
+        status = backend.start(ctx, start_scheduler(ctx, spec, backend) if here else None)
+        if status is None:
+            timeout = None if spec.timeout is None else spec.timeout + backend.slack
+            env = {**spec.environ, **spec.env}
+            min_workers, replicas = int(env.get("PSKV_MIN_WORKERS") or 0), int(env.get("PSKV_REPLICAS") or 0) if spec.num_servers > 1 else 0
+            ctx.max_restarts = int(env.get("PSKV_MAX_RESTARTS") or 0) if min_workers else 0
+            status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas)
         return status
     except BaseException as exc:
         ctx.stop_all()
@@ -404,11 +416,6 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int
     return int(data)
 
 
-def redact(text: str, spec: JobSpec) -> str:
-    """``text`` (a plan to print) without the job's secret."""
-    return text.replace(spec.secret, "<the job's secret, made anew at launch>") if spec.secret else text
-
-
 def write_private(path: str, text: str) -> None:
     """Write a file only its owner may read (it holds the job's secret)."""
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -432,15 +439,6 @@ def run_quiet(argv: Sequence[str], timeout: float = 60.0, input: Optional[str] =
         raise LaunchError(f"`{shlex.join(argv)}` did not finish within {timeout:g} s") from None
     except OSError as exc:
         raise LaunchError(f"cannot run `{shlex.join(argv)}`: {exc.strerror or exc}") from None
-
-
-def submitted(ctx: ProcessContext, name: str, res: subprocess.CompletedProcess[str], success: str) -> None:
-    """Show a submission's output (and ``success`` if it worked); ``ctx`` watches it as done."""
-    sys.stdout.write(res.stdout)
-    sys.stderr.write(res.stderr)
-    if res.returncode == 0:
-        ctx.report(success)
-    ctx.watch(Done(name, res.returncode, res.stderr.splitlines()[-10:]), main=True)
 
 
 class Spool(threading.Thread):

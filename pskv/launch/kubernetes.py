@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
-from typing import Any, Optional
+import subprocess
+from typing import Any
 
 from ..errors import LaunchError
-from .job import Backend, ProcessContext, redact, require_tool, run_quiet, submitted, write_private
+from .job import Document, run_quiet
 from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"
@@ -69,33 +69,19 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     return items
 
 
-class Kubernetes(Backend):
+class Kubernetes(Document):
+    launcher, tool = "kubernetes", "kubectl"
+    hint = "pass --output FILE to write the manifests instead"
+
     def __init__(self, spec: JobSpec):
         super().__init__(spec)
-        document = {"apiVersion": "v1", "kind": "List", "items": manifests(spec)}
-        self.objects = len(document["items"])
-        self.text = json.dumps(document, indent=2) + "\n"
-        self.title = f"Kubernetes objects of job {spec.name} (kubectl apply -f -)"
-        self.kubectl = "kubectl"
+        items, name = manifests(spec), spec.name
+        self.text = json.dumps({"apiVersion": "v1", "kind": "List", "items": items}, indent=2) + "\n"
+        self.command = ["kubectl", "apply", "-f", "-", *spec.launcher_args]
+        self.title = f"Kubernetes objects of job {name} (kubectl apply -f -)"
+        self.written = f"wrote {len(items)} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`"
+        logs = f"kubectl logs -f -l pskv/job={name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
+        self.success = f"applied job {name}; follow it with `{logs}`; remove it with `kubectl delete job,service,secret -l pskv/job={name}`"
 
-    def plan(self, port: Optional[int]) -> str:
-        return redact(self.text, self.spec)
-
-    def prepare(self) -> None:
-        if not self.spec.output:
-            self.kubectl = require_tool("kubectl", "kubernetes", "pass --output FILE to write the manifests instead")
-
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
-        spec = self.spec
-        if spec.output:
-            write_private(spec.output, self.text)
-            ctx.report(f"wrote {self.objects} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`")
-            return
-        apply = ["apply", "-f", "-", *spec.launcher_args]
-        res = run_quiet([self.kubectl, *apply], timeout=300, input=self.text)
-        logs = f"kubectl logs -f -l pskv/job={spec.name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
-        success = f"applied job {spec.name}; follow it with `{logs}`; remove it with `kubectl delete job,service,secret -l pskv/job={spec.name}`"
-        submitted(ctx, shlex.join(["kubectl", *apply]), res, success)
-
-
-backend = Kubernetes
+    def submit(self) -> subprocess.CompletedProcess[str]:
+        return run_quiet([self.tool, *self.command[1:]], timeout=300, input=self.text)

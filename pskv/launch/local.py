@@ -41,9 +41,6 @@ class Local(Backend):
             timeline.merge(path)
 
 
-backend = Local
-
-
 def launch_local(
     num_workers: int, num_servers: int, command: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,
     role_extra: Optional[Mapping[str, Mapping[str, str]]] = None, timeout: Optional[float] = None,

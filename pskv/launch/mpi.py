@@ -29,7 +29,11 @@ class Mpi(Backend):
                 raise LaunchError(f"hostfile entry {h}: mpirun cannot take an ssh port per host; set it in ~/.ssh/config instead")
         self.address = scheduler_address(spec.environ, [h.name.rpartition("@")[2] for h in spec.hosts])
         self.title = f"pskv launch --launcher mpi ({'mpich' if self.mpich else 'openmpi'})"
-        self.hostfile: Optional[str] = None
+        self.hostfile: Optional[str] = None  # MPICH's, with every process's host in rank order
+        if spec.hosts and self.mpich:
+            fd, self.hostfile = tempfile.mkstemp(prefix="pskv-mpi-", suffix=".hosts")
+            with os.fdopen(fd, "w") as f:
+                f.write(self.hostfile_text())
 
     def runs(self, role: str) -> list[tuple[Optional[str], int]]:
         """The role's processes in rank order, as (host, count) runs of consecutive processes on
@@ -40,21 +44,13 @@ class Mpi(Backend):
         return [(name, len(list(group))) for name, group in itertools.groupby(h.name for h in place(n, self.spec.hosts))]
 
     def hostfile_text(self) -> str:
-        """MPICH's hostfile: every process's host in rank order (servers, then workers)."""
         return "".join(f"{host}:{n}\n" for role in self.spec.roles() for host, n in self.runs(role))
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec, mpich = self.spec, self.mpich
-        argv = [self.mpirun]
-        if spec.hosts and not mpich:
-            argv.append("--oversubscribe")  # the placement below is the launcher's; slots are weights
-        argv += spec.launcher_args
-        if spec.hosts and mpich:
-            if self.hostfile is None:
-                fd, self.hostfile = tempfile.mkstemp(prefix="pskv-mpi-", suffix=".hosts")
-                with os.fdopen(fd, "w") as f:
-                    f.write(self.hostfile_text())
-            argv += ["-f", self.hostfile]
+        # --oversubscribe: the placement below is the launcher's; slots are weights
+        argv = [self.mpirun, *(["--oversubscribe"] if spec.hosts and not mpich else []), *spec.launcher_args]
+        argv += ["-f", self.hostfile] if self.hostfile else []
         if spec.sync_dst_dir:
             argv += ["-wdir" if mpich else "--wdir", spec.sync_dst_dir]
         offset = 0
@@ -88,6 +84,3 @@ class Mpi(Backend):
     def close(self, status: Optional[int]) -> None:
         if self.hostfile:
             os.unlink(self.hostfile)
-
-
-backend = Mpi

@@ -103,38 +103,36 @@ class Sge(Backend):
             for rank in range(spec.count(role)):
                 ctx.watch(Task(self, role, rank), main=role == "worker")
 
-    def listed(self) -> Optional[dict[str, str]]:
-        """Job id -> the states of its tasks, as ``qstat`` lists them (None if it failed)."""
+    def listed(self) -> dict[str, str]:
+        """Job id -> the states of its tasks, as ``qstat`` lists them; :class:`LaunchError` if it fails."""
         res = run_quiet([shutil.which("qstat") or "qstat"], timeout=60)
+        if res.returncode != 0:
+            raise LaunchError(f"qstat failed: {res.stderr.strip()}")
         states: dict[str, str] = {}
         for fields in (line.split() for line in res.stdout.splitlines()[2:]):
             if len(fields) >= 5:
                 states[fields[0]] = states.get(fields[0], "") + fields[4]
-        return states if res.returncode == 0 else None
+        return states
 
     def lost(self, role: str) -> str:
         """Why the tasks of ``role`` without a status will never have one ('' while they may);
         ``qstat`` is asked at most every 2 s."""
-        if time.monotonic() >= self.next_poll:
-            self.next_poll = time.monotonic() + 2.0
-            with contextlib.suppress(LaunchError):
-                self._poll()
+        now = time.monotonic()
+        if now >= self.next_poll:
+            self.next_poll = now + 2.0
+            with contextlib.suppress(LaunchError):  # qstat failed: nothing is known gone
+                listed = self.listed()
+                for r, job in self.ids.items():
+                    if job in listed:
+                        self.gone_since.pop(r, None)
+                    else:
+                        self.gone_since.setdefault(r, now)
+                    if "E" in listed.get(job, ""):
+                        self.errors[r] = f"Grid Engine job {job} is in an error state; `qstat -j {job}` says why"
         since = self.gone_since.get(role)
-        if role not in self.errors and since is not None and time.monotonic() - since > STATUS_GRACE:
+        if role not in self.errors and since is not None and now - since > STATUS_GRACE:
             return f"Grid Engine job {self.ids[role]} ended without its status: deleted, or killed by a limit"
         return self.errors.get(role, "")
-
-    def _poll(self) -> None:
-        listed = self.listed()
-        if listed is None:
-            return
-        for role, job in self.ids.items():
-            if job not in listed:
-                self.gone_since.setdefault(role, time.monotonic())
-                continue
-            self.gone_since.pop(role, None)
-            if "E" in listed[job]:
-                self.errors[role] = f"Grid Engine job {job} is in an error state; `qstat -j {job}` says why"
 
     def cancel(self, ctx: ProcessContext) -> None:
         ids = list(self.ids.values())
@@ -142,15 +140,10 @@ class Sge(Backend):
             return
         run_quiet([shutil.which("qdel") or "qdel", *ids], timeout=60)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the execution hosts have stopped the tasks
-            listed = self.listed()
-            if listed is None or not set(listed) & set(ids):
-                break
-            time.sleep(0.5)
+        with contextlib.suppress(LaunchError):  # until the execution hosts have stopped the tasks (qstat failed: no use)
+            while time.monotonic() < deadline and set(self.listed()) & set(ids):
+                time.sleep(0.5)
         ctx.report(f"deleted Grid Engine job(s) {' '.join(ids)}")
 
     def close(self, status: Optional[int]) -> None:
         self.spool.close(status, "the job scripts and the tasks' output")
-
-
-backend = Sge

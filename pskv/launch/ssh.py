@@ -138,6 +138,3 @@ class Ssh(Backend):
                 argv = ssh_argv(spec, h, shell_command(guard, env, self.cwd))
                 out.append(Planned(f"{role} {rank}@{h}", argv, main=role == "worker", stdin="secret" if secret else "pipe", delay=delay))
         return out
-
-
-backend = Ssh

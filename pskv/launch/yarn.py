@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 import tempfile
 from typing import Any, Optional
 
-from .job import Backend, ProcessContext, redact, require_tool, run_quiet, submitted, write_private
+from .job import Document, run_quiet
 from .spec import JobSpec
 
 SCHEDULER_DNS = "scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}"
@@ -39,32 +40,24 @@ def yarn_service(spec: JobSpec) -> dict[str, Any]:
     return service
 
 
-class Yarn(Backend):
+class Yarn(Document):
+    launcher = tool = "yarn"
+    hint = "pass --output FILE to write the service spec instead, or --dry-run to see it"
+
     def __init__(self, spec: JobSpec):
         super().__init__(spec)
+        name = spec.name
         self.text = json.dumps(yarn_service(spec), indent=2) + "\n"
-        self.submit = ["yarn", "app", "-launch", spec.name, spec.output or "SPEC.json", *spec.launcher_args]
-        self.title = f"YARN service spec ({spec.name})"
+        self.command = ["yarn", "app", "-launch", name, spec.output or "SPEC.json", *spec.launcher_args]
+        self.title = f"YARN service spec ({name})"
+        self.written = f"wrote the YARN service spec to {spec.output}; submit it with: {shlex.join(self.command)}"
+        self.success = f"launched YARN service {name}; follow it with `yarn app -status {name}`, stop it with `yarn app -destroy {name}`"
 
     def plan(self, port: Optional[int]) -> str:
-        return f"{redact(self.text, self.spec)}# submit\n{shlex.join(self.submit)}"
+        return f"{super().plan(port)}# submit\n{shlex.join(self.command)}"
 
-    def prepare(self) -> None:
-        if not self.spec.output:
-            self.submit[0] = require_tool("yarn", "yarn", "pass --output FILE to write the service spec instead, or --dry-run to see it")
-
-    def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
-        name = self.spec.name
-        if self.spec.output:
-            write_private(self.spec.output, self.text)
-            ctx.report(f"wrote the YARN service spec to {self.spec.output}; submit it with: {shlex.join(self.submit)}")
-            return
-        with tempfile.NamedTemporaryFile("w", prefix=f"{name}-", suffix=".json") as f:
+    def submit(self) -> subprocess.CompletedProcess[str]:
+        with tempfile.NamedTemporaryFile("w", prefix=f"{self.spec.name}-", suffix=".json") as f:
             f.write(self.text)
             f.flush()
-            res = run_quiet([*self.submit[:4], f.name, *self.submit[5:]], timeout=600)
-        success = f"launched YARN service {name}; follow it with `yarn app -status {name}`, stop it with `yarn app -destroy {name}`"
-        submitted(ctx, "yarn app -launch", res, success)
-
-
-backend = Yarn
+            return run_quiet([self.tool, *self.command[1:4], f.name, *self.command[5:]], timeout=600)
