@@ -15,6 +15,7 @@ from .errors import CompressionError
 
 TYPES = ("1bit", "2bit", "bf16", "fp16")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_BITS = {"2bit": 2, "1bit": 1}
 
 
 class Codec:
@@ -24,6 +25,8 @@ class Codec:
         self.type = kind
         self.threshold = threshold
         self.wire_dtype = _CASTS.get(kind, torch.int32)  # the dtype of what encode() returns
+        # what each code of 2bit or 1bit stands for: 0 (and 3, never sent), +t, -t; or -1, +1
+        self._levels = [0.0, threshold, -threshold, 0.0] if kind == "2bit" else [-1.0, 1.0]
 
     @staticmethod
     def create(params: Mapping[str, Any]) -> Codec:
@@ -33,12 +36,10 @@ class Codec:
         kind = params.get("type")
         if extra := set(params) - {"type", "threshold"}:
             raise CompressionError(f"unknown compression parameter(s) {sorted(extra)}; known: type, threshold")
-        if kind in _CASTS:
-            if "threshold" in params:
-                raise CompressionError(f"{kind} compression takes no threshold")
-            return Codec(kind)
-        if kind not in ("2bit", "1bit"):
+        if kind not in TYPES:
             raise CompressionError(f"unknown compression type {kind!r}; known: {', '.join(TYPES)}")
+        if kind in _CASTS and "threshold" in params:
+            raise CompressionError(f"{kind} compression takes no threshold")
         t = params.get("threshold", 0.5 if kind == "2bit" else 0.0)
         if isinstance(t, bool) or not isinstance(t, (int, float)) or t != t:
             raise CompressionError(f"{kind} threshold must be a number, got {t!r}")
@@ -53,31 +54,24 @@ class Codec:
         """Fold ``grad`` into ``residual`` (in place), take out what is sent, return the wire tensor."""
         r = residual.view(-1)
         r.add_(grad.reshape(-1).to(r.dtype))
+        if self.type in _CASTS:
+            sent = r.to(self.wire_dtype)
+            r.sub_(sent.to(r.dtype))
+            return sent
         t = self.threshold
-        if self.type == "2bit":
-            pos, neg = r >= t, r <= -t
-            r.sub_(pos.to(r.dtype) * t).add_(neg.to(r.dtype) * t)
-            return _pack(pos.to(torch.int64) | (neg.to(torch.int64) << 1), 2)  # 0: zero, 1: +t, 2: -t
-        if self.type == "1bit":
-            pos = r > t
-            r.sub_(pos.to(r.dtype) * 2 - 1)
-            return _pack(pos.to(torch.int64), 1)
-        sent = r.to(self.wire_dtype)
-        r.sub_(sent.to(r.dtype))
-        return sent
+        codes = (r >= t).long() | ((r <= -t).long() << 1) if self.type == "2bit" else (r > t).long()
+        r.sub_(torch.tensor(self._levels, dtype=r.dtype, device=r.device)[codes])
+        return _pack(codes, _BITS[self.type])
 
     def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""
-        if self.type == "2bit":  # codes 1 and 2 stand for +t and -t, 0 (and 3, never sent) for 0
-            values = torch.tensor([0.0, self.threshold, -self.threshold, 0.0], dtype=dtype, device=wire.device)
-            return values[_unpack(wire, 2, numel)]
-        if self.type == "1bit":
-            return (_unpack(wire, 1, numel) * 2 - 1).to(dtype)
-        return wire.reshape(-1).to(dtype)
+        if self.type in _CASTS:
+            return wire.reshape(-1).to(dtype)
+        return torch.tensor(self._levels, dtype=dtype, device=wire.device)[_unpack(wire, _BITS[self.type], numel)]
 
     def wire_numel(self, numel: int) -> int:
         """How many elements the wire tensor of a ``numel``-element gradient has."""
-        return -(-numel // {"2bit": 16, "1bit": 32}.get(self.type, 1))
+        return -(-numel // (32 // _BITS[self.type])) if self.type in _BITS else numel
 
     def roundtrip(self, grad: Tensor, residual: Tensor) -> Tensor:
         """``decode(encode(grad))`` shaped like ``grad``: what the receiver will see."""

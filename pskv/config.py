@@ -32,10 +32,10 @@ from typing import Optional, TypeVar
 T = TypeVar("T", int, float, str, bool)
 
 
-def getenv(name: str, default: T, least: Optional[T] = None) -> T:
+def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optional[T] = None, choices: tuple[str, ...] = ()) -> T:
     """``name`` from the environment parsed as the type of ``default``, e.g. ``getenv("PSKV_TIMEOUT", 300.0)``.
-    Unset or empty gives ``default``; a value that does not parse is a ``ValueError`` naming it; one
-    below ``least`` is taken as ``least``."""
+    Unset or empty gives ``default``; a value that does not parse, is below ``minimum`` or is not one of
+    ``choices`` (a str, in lower case) is a ``ValueError`` naming it; one below ``least`` is taken as ``least``."""
     raw = os.environ.get(name, "").strip()
     if raw == "":
         return default
@@ -46,9 +46,12 @@ def getenv(name: str, default: T, least: Optional[T] = None) -> T:
             if raw.lower() in ("0", "false", "no", "off"):
                 return False
             raise ValueError(raw)
-        value = type(default)(raw)
+        value = raw.lower() if isinstance(default, str) else type(default)(raw)
+        if (minimum is not None and value < minimum) or (choices and value not in choices):
+            raise ValueError(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}") from None
+        rule = f" >= {minimum}" if minimum is not None else f": one of {', '.join(choices)}" if choices else ""
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}{rule}") from None
     return value if least is None else max(least, value)
 
 
@@ -59,13 +62,9 @@ heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0)
 verbose = partial(getenv, "PSKV_VERBOSE", False)
 min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0)
 server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2)), least=1)
-
-
-def replicas() -> int:
-    value = getenv("PSKV_REPLICAS", 0)
-    if value < 0:
-        raise ValueError(f"PSKV_REPLICAS={value}: the number of backups of each part is 0 or more")
-    return value
+replicas = partial(getenv, "PSKV_REPLICAS", 0, minimum=0)  # backups of each part
+bigarray_bound = partial(getenv, "PSKV_BIGARRAY_BOUND", 65_536, minimum=1)
+nonfinite = partial(getenv, "PSKV_NONFINITE", "error", choices=("error", "skip", "allow"))
 
 
 def chunk_bytes(across_hosts: bool) -> int:
@@ -80,13 +79,6 @@ def batch_bytes(across_hosts: bool) -> int:
 def max_frame_bytes() -> int:
     chunk = chunk_bytes(False)
     return getenv("PSKV_MAX_MESSAGE_BYTES", max(64 << 20, 2 * chunk) if chunk else 0, least=0)
-
-
-def nonfinite() -> str:
-    value = getenv("PSKV_NONFINITE", "error").lower()
-    if value not in ("error", "skip", "allow"):
-        raise ValueError(f"PSKV_NONFINITE={value!r}: use error, skip or allow")
-    return value
 
 
 def secret() -> Optional[bytes]:
@@ -120,10 +112,3 @@ def lifeline() -> Optional[int]:
 
 def heartbeat_interval() -> float:
     return min(getenv("PSKV_HEARTBEAT_INTERVAL", 1.0), heartbeat_timeout() / 3.0)
-
-
-def bigarray_bound() -> int:
-    bound = getenv("PSKV_BIGARRAY_BOUND", 65_536)
-    if bound < 1:
-        raise ValueError(f"PSKV_BIGARRAY_BOUND must be positive, got {bound}")
-    return bound

@@ -43,18 +43,29 @@ def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
 # Update rules: dense(hyper, lr, state, grad, weight) and sparse(hyper, lr, state, rows, values,
 # weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
 # dense one may be the caller's unless _Rule.writes_grad (rows are unique and sorted; values are not written).
-def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+def _sgd(h: Hyper, lr: float, states: Sequence[KeyState], gs: list[Tensor], ws: list[Tensor]) -> None:
+    """SGD of one key or of many on one device, with torch's foreach kernels (a few launches for all)."""
     if h["wd"] != 0:
-        g.add_(w, alpha=h["wd"])
+        torch._foreach_add_(gs, ws, alpha=h["wd"])
     momentum = float(h["momentum"])
     if momentum != 0:
-        buf = st.tensors["momentum_buffer"]
-        if st.step == 1:
-            buf.copy_(g)
+        bufs = [st.tensors["momentum_buffer"] for st in states]
+        old = [i for i, st in enumerate(states) if st.step > 1]
+        for i in set(range(len(states))) - set(old):
+            bufs[i].copy_(gs[i])
+        for i in old:  # one by one: foreach's in-place multiply rounds half types differently on the CPU
+            bufs[i].mul_(momentum)
+        if old:
+            torch._foreach_add_([bufs[i] for i in old], [gs[i] for i in old], alpha=1 - h["dampening"])
+        if h["nesterov"]:
+            torch._foreach_add_(gs, bufs, alpha=momentum)
         else:
-            buf.mul_(momentum).add_(g, alpha=1 - h["dampening"])
-        g = g.add_(buf, alpha=momentum) if h["nesterov"] else buf
-    w.add_(g, alpha=-lr)
+            gs = bufs
+    torch._foreach_add_(ws, gs, alpha=-lr)
+
+
+def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
+    _sgd(h, lr, [st], [g], [w])
 
 
 def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor) -> None:
@@ -325,33 +336,17 @@ class Optimizer:
         self._rule.dense(h, lr, st, g, weight)
 
     def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
-        """:meth:`update` of many keys: dense sgd of tensors on one device with torch's foreach
-        kernels (a few launches for every parameter, not a few per parameter), the same numbers
-        (half-precision types take :meth:`update`: their foreach kernels round differently)."""
+        """:meth:`update` of many keys, the same numbers: dense sgd of tensors on one device with torch's
+        foreach kernels (a few launches for every parameter, not a few per parameter)."""
         h = self._hyper
-        full = (torch.float32, torch.float64)
-        one_device = all(not g.is_sparse and g.device == grads[0].device and g.dtype in full for g in grads)
+        one_device = all(not g.is_sparse and g.device == grads[0].device for g in grads)
         if not grads or self.name != "sgd" or h["clip_gradient"] > 0 or not one_device:
             for k, g, w in zip(keys, grads, weights):
                 self.update(k, g, w)
             return
         states = [self._key_state(k, w) for k, w in zip(keys, weights)]
         gs = list(torch._foreach_mul(list(grads), float(h["rescale_grad"])))  # new tensors: grads untouched
-        if h["wd"] != 0:
-            torch._foreach_add_(gs, list(weights), alpha=h["wd"])
-        if h["momentum"] != 0:
-            bufs = [st.tensors["momentum_buffer"] for st in states]
-            old = [i for i, st in enumerate(states) if st.step > 1]
-            for i in set(range(len(states))) - set(old):
-                bufs[i].copy_(gs[i])
-            if old:
-                torch._foreach_mul_([bufs[i] for i in old], float(h["momentum"]))
-                torch._foreach_add_([bufs[i] for i in old], [gs[i] for i in old], alpha=1 - h["dampening"])
-            if h["nesterov"]:
-                torch._foreach_add_(gs, bufs, alpha=float(h["momentum"]))
-            else:
-                gs = bufs
-        torch._foreach_add_(list(weights), gs, alpha=-self._lr(self.num_update))
+        _sgd(h, self._lr(self.num_update), states, gs, list(weights))
 
     def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
         scale, clip = self._hyper["rescale_grad"], self._hyper["clip_gradient"]

@@ -23,38 +23,33 @@ from .ps.tracker import Handle
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
 
-def _one_replica(params: Any) -> tuple[list[Key], list[Tensor]]:
-    """Keys and tensors of one replica's parameters (shared and frozen ones dropped)."""
-    if isinstance(params, Tensor):
-        raise TrainerError("params must be an iterable of tensors (model.parameters()), not one tensor")
-    keys: list[Key] = []
-    tensors: list[Tensor] = []
-    seen: set[int] = set()
-    for item in params.items() if isinstance(params, Mapping) else params:
-        name, t = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (None, item)
-        if not isinstance(t, Tensor):
-            raise TrainerError(f"params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica, got {t!r:.60}")
-        if t.requires_grad and id(t) not in seen:
-            seen.add(id(t))
-            keys.append(name if name is not None else len(keys))
-            tensors.append(t)
-    return keys, tensors
-
-
 def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
-    """Keys and, per device replica, the tensors (one replica unless a list of them is given)."""
+    """Keys and, per device replica, the tensors (one replica unless a list of them is given); a
+    shared tensor is trained once, frozen ones are left out."""
     groups = [params] if isinstance(params, Mapping) else list(params)
     if not groups:
         raise TrainerError("the Trainer got no parameters")
     if all(isinstance(g, (Tensor, tuple)) for g in groups):
         groups = [groups]  # one replica
-    (keys, first), *others = [_one_replica(g) for g in groups]
-    if not first:
+    replicas = []
+    for group in groups:
+        if isinstance(group, Tensor):
+            raise TrainerError("params must be an iterable of tensors (model.parameters()), not one tensor")
+        kept: dict[int, tuple[Key, Tensor]] = {}  # id(tensor) -> its key and itself
+        for item in group.items() if isinstance(group, Mapping) else group:
+            name, t = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (None, item)
+            if not isinstance(t, Tensor):
+                raise TrainerError(f"params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica, got {t!r:.60}")
+            if t.requires_grad:
+                kept.setdefault(id(t), (name if name is not None else len(kept), t))
+        replicas.append(kept)
+    keys = [[k for k, _ in kept.values()] for kept in replicas]
+    tensors = [[t for _, t in kept.values()] for kept in replicas]
+    if not tensors[0]:
         raise TrainerError("every parameter is frozen (requires_grad=False): nothing to train")
-    for k, ts in others:
-        if k != keys or [t.shape for t in ts] != [t.shape for t in first]:
-            raise TrainerError("every device replica must have the same parameters, in the same order and shapes")
-    return keys, [first, *(ts for _, ts in others)]
+    if any(k != keys[0] or [t.shape for t in ts] != [t.shape for t in tensors[0]] for k, ts in zip(keys, tensors)):
+        raise TrainerError("every device replica must have the same parameters, in the same order and shapes")
+    return keys[0], tensors
 
 
 class Trainer:

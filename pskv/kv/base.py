@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import builtins
 import functools
-import itertools
 import json
 import math
 import numbers
@@ -128,7 +127,7 @@ class KVStore:
             if not isinstance(value, (list, tuple)):
                 raise errors.ValueCountError(f"{len(key)} keys were given but {what} is not a list")
             if len(value) != len(key):
-                raise errors.ValueCountError(f"{len(key)} keys were given with {len(value)} {what}s")
+                raise errors.ValueCountError(f"{len(key)} keys were given with {len(value)} {what} entries")
             if not key:
                 raise errors.ValueCountError("an empty list of keys")
             return [(k, KVStore._tensors(k, v, what)) for k, v in zip(key, value)]
@@ -176,13 +175,12 @@ class KVStore:
         Every worker inits the same keys in the same order; a second init of a key is an error."""
         kind = self._key_kind
         new: dict[Key, tuple[KeyMeta, Tensor]] = {}
-        str_ids = itertools.count(sum(isinstance(k, str) for k in self._keys))  # a str key's id: its init order
         for k_raw, ts in self._pairs(key, value, "value"):
             k, v = self._check_key(k_raw, kind), ts[0]
             kind = kind or type(k)
             if k in self._keys or k in new:
                 raise errors.DuplicateInitError(f"key {k!r} was already initialised")
-            kid = k if isinstance(k, int) else next(str_ids)
+            kid = k if isinstance(k, int) else len(self._keys) + len(new)  # a str key's id: its init order
             new[k] = (KeyMeta(k, kid, v.shape, v.dtype, v.is_sparse), v)
         self._init_impl(list(new.values()))
         self._key_kind = kind
@@ -249,18 +247,12 @@ class KVStore:
         """Copy only rows ``row_ids`` (1-D, any order, repeats allowed) of ``key`` into ``out``: a
         sparse ``out`` holds exactly those rows, a dense one those and every other row zero. With a
         list of outputs, ``row_ids`` is one tensor for all or a list with one per output."""
-        pairs = self._grouped(key, out, "out", join=False)
-        many = isinstance(key, (list, tuple))
-        if many and (not isinstance(row_ids, (list, tuple)) or len(row_ids) != len(pairs)):
-            raise errors.ValueCountError(f"row_ids must be a list with one entry per key ({len(pairs)} keys)")
         groups: list[tuple[KeyMeta, list[Tensor], list[Tensor]]] = []
-        for (meta, outs), rids in zip(pairs, row_ids if many else [row_ids]):
-            rid_list = self._tensors(meta.key, rids, "row_ids")
-            if len(rid_list) == 1:
-                rid_list = rid_list * len(outs)
-            if len(rid_list) != len(outs):
-                raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rid_list)} row_ids")
-            groups.append((meta, outs, [self._check_rows(meta, r) for r in rid_list]))
+        for (meta, outs), (_, rids) in zip(self._grouped(key, out, "out", join=False), self._pairs(key, row_ids, "row_ids")):
+            rids = rids * len(outs) if len(rids) == 1 else rids
+            if len(rids) != len(outs):
+                raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rids)} row_ids")
+            groups.append((meta, outs, [self._check_rows(meta, r) for r in rids]))
         self._row_sparse_pull_impl(groups, int(priority))
 
     @staticmethod

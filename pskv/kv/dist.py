@@ -4,6 +4,7 @@ next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipelin
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
@@ -121,86 +122,77 @@ class DistStore(KVStore):
 
     def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
         """One request: push rows answered with the value once their round is complete (docs/DESIGN.md)."""
-        handle, sinks = self._sinks(outs)
-        return self._done(self._queue_push(items, handle, sinks, wait, 0), wait)
+        handle, bufs = self._sinks(outs)
+        return self._done(self._queue_push(items, handle, bufs, wait, 0), wait)
 
-    def _queue_push(self, items: list[Group], handle: Handle, sinks: Optional[list[Callable[[Part], Tensor]]],
-                    borrow: bool, held: int) -> Handle:
-        """Queue the PUSH rows of ``items``; with ``sinks`` (pushpull), answered with the parts' values."""
+    def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int) -> Handle:
+        """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values."""
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError("dist_async applies each push on the servers, so it needs an "
                                                 "optimizer: call set_optimizer first")
         for i, (meta, values) in enumerate(items):
-            for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(sinks is not None)):
-                entry = (handle, None, None) if sinks is None else (handle, sinks[i](p), meta.dtype)
+            for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(bufs is not None)):
+                entry = (handle, None, None) if bufs is None else (handle, self._piece(meta, bufs[i], p), meta.dtype)
                 nbytes = p.numel * meta.dtype.itemsize if frames else 0
                 self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
-                if sinks is not None or not frames:  # the part's answer, or our shared slot, is in use until done
+                if bufs is not None or not frames:  # the part's answer, or our shared slot, is in use until done
                     self._before_push[(meta.id, p.index)] = handle
         return handle
 
     def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
         """Each part of one key's push: its PUSH row, payload frames (none through shared memory) and the
-        CUDA event its bytes wait for. ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
+        CUDA event its bytes wait for (a GPU value is copied to its page-locked slot on a side stream,
+        after the gradient's). ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
+        rounds = list(self._rounds(meta))  # waits for earlier pulls first: their copies go on the caller's stream
         sparse = any(v.is_sparse for v in values)
-        if not sparse and self._compressor is None and values[0].is_cuda:
-            return self._push_from_gpu(meta, reduce_values(values, values[0].device) if len(values) > 1 else values[0], held, reply)
-        whole = len(self._parts[meta.id]) == 1  # one part: the tensors go as they are, no flat views (each op costs)
+        comp = None if sparse else self._compressor
+        gpu = not sparse and comp is None and values[0].is_cuda
         if sparse:
             merged = reduce_values(values, torch.device("cpu"))
             ids, vals = merged.indices()[0], merged.values().reshape(len(merged.indices()[0]), -1)
-        elif self._compressor is not None:
-            codec = self._compressor.codec
+        elif comp is not None:
             flats = [v.reshape(-1) for v in values]
-            residuals = [self._compressor.residual(meta.id, i, f) for i, f in enumerate(flats)]
+            residuals = [comp.residual(meta.id, i, f) for i, f in enumerate(flats)]
         else:
-            if self._on_device and len(values) > 1 and values[0].device.type != "cpu":
+            if len(values) > 1 and (gpu or (self._on_device and values[0].device.type != "cpu")):
                 values = [reduce_values(values, values[0].device)]  # sum on the device, copy once
-            flats = values if whole else [v.reshape(-1) for v in values]
+            # one part: the tensors go as they are, no flat views (each op costs)
+            flats = values if len(rounds) == 1 else [v.reshape(-1) for v in values]
             one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
+        stream = self._streams.get(values[0].device) if gpu else None
+        if gpu:
+            if stream is None:
+                stream = self._streams[values[0].device] = torch.cuda.Stream(values[0].device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(values[0].device))  # after the gradient is made
+            flats[0].record_stream(stream)  # its memory is not reused before the copy is done
         out = []
-        for p, round_ in self._rounds(meta):
-            kind, home = PushKind.DENSE, (-1, 0)  # home: the (fd, offset) of our shared-memory slot
-            frames: list[Any] = []
-            if sparse:
-                r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
-                sel = (ids >= r0) & (ids < r1)
-                kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-            elif self._compressor is not None:
-                kind = PushKind.COMPRESSED
-                frames = [tensor_frame(codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-            elif p.server in self._client.shm_servers:
-                slot, home = self._slot(meta, p, gpu=False)
-                slot.copy_(flats[0] if whole else flats[0][p.start : p.stop])
-                for f in flats[1:]:
-                    slot.add_((f if whole else f[p.start : p.stop]).to("cpu"))
-            else:
-                if merged_flat is None:
-                    merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                frames = [tensor_frame(merged_flat[p.start : p.stop])]
-            out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, None))
-        return out
-
-    def _push_from_gpu(self, meta: KeyMeta, value: Tensor, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """The parts of a GPU value, copied to page-locked memory on a side stream after the gradient's."""
-        rounds = list(self._rounds(meta))  # waits for earlier pulls here: their copies go on the caller's stream
-        stream = self._streams.get(value.device)
-        if stream is None:
-            stream = self._streams[value.device] = torch.cuda.Stream(value.device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(value.device))  # after the gradient is made
-        value.record_stream(stream)  # its memory is not reused before the copy is done
-        flat, out = value.reshape(-1), []  # type: tuple[Tensor, list[tuple[Part, list[int], list[Any], Any]]]
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream) if gpu else contextlib.nullcontext():
             for p, round_ in rounds:
-                slot, home = self._slot(meta, p, gpu=True)
-                host = slot.view(-1)
-                host.copy_(flat[p.start : p.stop], non_blocking=True)
-                ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                ready.record(stream)
-                frames = [] if p.server in self._client.shm_servers else [tensor_frame(host)]
-                out.append((p, [meta.id, p.index, round_, PushKind.DENSE, len(frames), *home, held, reply], frames, ready))
+                kind, home, frames, ready = PushKind.DENSE, (-1, 0), [], None  # home: the (fd, offset) of our shared-memory slot
+                shm = p.server in self._client.shm_servers
+                if sparse:
+                    r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
+                    sel = (ids >= r0) & (ids < r1)
+                    kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
+                elif comp is not None:
+                    kind = PushKind.COMPRESSED
+                    frames = [tensor_frame(comp.codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
+                elif gpu or shm:  # summed into our slot: shared memory, or pinned memory for a GPU value
+                    slot, home = self._slot(meta, p, gpu)
+                    slot.copy_(self._piece(meta, flats[0], p), non_blocking=gpu)
+                    for f in flats[1:]:
+                        slot.add_(self._piece(meta, f, p).to("cpu"))
+                    if gpu:
+                        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                        ready.record(stream)
+                    frames = [] if shm else [tensor_frame(slot)]
+                else:
+                    if merged_flat is None:
+                        merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
+                    frames = [tensor_frame(merged_flat[p.start : p.stop])]
+                out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, ready))
         return out
 
     def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
@@ -225,13 +217,17 @@ class DistStore(KVStore):
                 slot, home = arena.tensor(offset, p.numel, meta.dtype), (arena.fd, offset)
             else:
                 slot, home = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True), (-1, 0)
-            whole = not gpu and len(self._parts[meta.id]) == 1
-            self._slots[where] = (slot.view(meta.shape) if whole else slot, home)
+            self._slots[where] = (slot.view(meta.shape) if len(self._parts[meta.id]) == 1 else slot, home)
         return self._slots[where]
 
-    def _sinks(self, items: list[Group]) -> tuple[Handle, list[Callable[[Part], Tensor]]]:
-        """A handle for pulling ``items``, and per key where each part's answer goes: straight into
-        the first output when it is a contiguous CPU tensor; the handle's wait copies to the rest."""
+    def _piece(self, meta: KeyMeta, t: Tensor, p: Part) -> Tensor:
+        """Part ``p``'s elements of ``t``: ``t`` itself when the key has one part (a flat view costs an op)."""
+        return t if len(self._parts[meta.id]) == 1 else t.view(-1)[p.start : p.stop]
+
+    def _sinks(self, items: list[Group]) -> tuple[Handle, list[Tensor]]:
+        """A handle for pulling ``items``, and per key the buffer its parts' answers go to: the first
+        output when it is a contiguous CPU tensor, the key's pinned buffer for GPU outputs (once its last
+        copy is done), else a new one; the handle's wait copies to the rest."""
         copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
         @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
         def finish() -> None:  # in the caller's thread, once every part has arrived
@@ -241,37 +237,25 @@ class DistStore(KVStore):
                 if any(o.is_cuda for o in outs):  # the pinned buffer is not written again before the copy is done
                     self._pinned[meta.id] = (buf, torch.cuda.Event())  # type: ignore[no-untyped-call]
                     self._pinned[meta.id][1].record()
-        sinks = []
         for meta, outs in items:
             first = outs[0]
-            direct = not first.is_sparse and first.device.type == "cpu" and first.is_contiguous()
-            buf = first if direct else self._pull_buffer(meta, first.is_cuda)
-            copies.append((meta, buf, outs[1:] if direct else outs))
-            sinks.append(self._parts_of(meta, buf))
-        return self._client.handle(finish), sinks
-
-    def _pull_buffer(self, meta: KeyMeta, cuda: bool) -> Tensor:
-        """Where a pull lands first: for GPU outputs the key's pinned buffer, once its last copy is done."""
-        if not cuda:
-            return torch.empty(meta.shape, dtype=meta.dtype)
-        buf, copied = self._pinned.get(meta.id, (None, None))
-        if copied is not None:
-            copied.synchronize()
-        return buf if buf is not None else torch.empty(meta.shape, dtype=meta.dtype, pin_memory=True)
-
-    def _parts_of(self, meta: KeyMeta, buf: Tensor) -> Callable[[Part], Tensor]:
-        """Part -> its elements of ``buf``, without a flat view when the key has one part (each op costs)."""
-        if len(self._parts[meta.id]) == 1:
-            return lambda p: buf
-        flat = buf.view(-1)
-        return lambda p: flat[p.start : p.stop]
+            if not first.is_sparse and first.device.type == "cpu" and first.is_contiguous():
+                copies.append((meta, first, outs[1:]))
+                continue
+            if first.is_cuda and meta.id in self._pinned:
+                buf, copied = self._pinned[meta.id]
+                copied.synchronize()
+            else:
+                buf = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=first.is_cuda)
+            copies.append((meta, buf, outs))
+        return self._client.handle(finish), [buf for _, buf, _ in copies]
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()
-        handle, sinks = self._sinks(items)
-        for (meta, _), sink in zip(items, sinks):
+        handle, bufs = self._sinks(items)
+        for (meta, _), buf in zip(items, bufs):
             for p in self._parts[meta.id]:
-                self._queue_pull(handle, meta, p, sink(p), rescale=rescale)
+                self._queue_pull(handle, meta, p, self._piece(meta, buf, p), rescale=rescale)
         return self._done(handle, wait)
 
     def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None) -> None:
@@ -291,10 +275,9 @@ class DistStore(KVStore):
             data = torch.empty(len(wanted), meta.row_numel, dtype=meta.dtype)
             for p in self._parts[meta.id]:
                 r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
-                where = torch.nonzero((wanted >= r0) & (wanted < r1)).view(-1)
-                if where.numel():
-                    sink = lambda src, where=where, data=data: data.index_copy_(0, where, src.view(len(where), -1))  # noqa: E731
-                    self._queue_pull(handle, meta, p, sink, (wanted[where] - r0).contiguous())
+                i0, i1 = torch.searchsorted(wanted, torch.tensor([r0, r1])).tolist()  # its rows of the (sorted) wanted
+                if i1 > i0:
+                    self._queue_pull(handle, meta, p, data[i0:i1], (wanted[i0:i1] - r0).contiguous())
             results.append((meta, outs, row_lists, wanted, data))
         self._done(handle, True)
         for meta, outs, row_lists, wanted, data in results:
@@ -314,28 +297,24 @@ class DistStore(KVStore):
     def _optimizer_state(self) -> dict[str, Any]:
         answers: list[Message] = []
         self._to_servers(lambda s: Message(Type.GET_STATES), "save_optimizer_states", answers.append)
+        descs = [a.meta["optimizer"] for a in answers if a.meta and a.meta.get("optimizer")]
+        if not descs:
+            raise errors.OptimizerError("no optimizer is set on the servers; call set_optimizer first")
         by_id = {m.id: m for m in self._keys.values()}
         pieces: dict[int, dict[int, tuple[int, dict[str, Tensor]]]] = {}  # key -> part -> (step, tensors)
-        desc, num_update = None, 0
         for ans in answers:
-            meta = ans.meta or {}
-            desc = desc or meta.get("optimizer")
-            num_update = max(num_update, int(meta.get("num_update", 0)))
             frames = iter(ans.frames)
-            for e in meta.get("parts", []):
-                key = by_id[int(e["key"])]
-                n = self._parts[key.id][int(e["part"])].numel
-                tensors = {str(name): frame_tensor(next(frames), key.dtype, n).clone() for name in e["names"]}
-                pieces.setdefault(key.id, {})[int(e["part"])] = (int(e["step"]), tensors)
-        if desc is None:
-            raise errors.OptimizerError("no optimizer is set on the servers; call set_optimizer first")
+            for e in (ans.meta or {}).get("parts", []):
+                meta, part = by_id[int(e["key"])], int(e["part"])
+                n = self._parts[meta.id][part].numel
+                pieces.setdefault(meta.id, {})[part] = (int(e["step"]), {str(name): frame_tensor(next(frames), meta.dtype, n) for name in e["names"]})
         keys: dict[int, dict[str, Any]] = {}
         for kid, parts in pieces.items():
-            if sorted(parts) == list(range(len(self._parts[kid]))):  # else some server has no state yet
-                names, shape = sorted(parts[0][1]), by_id[kid].shape
-                tensors = {n: torch.cat([parts[i][1][n] for i in sorted(parts)]).view(shape) for n in names}
+            if len(parts) == len(self._parts[kid]):  # else some server has no state yet
+                tensors = {n: torch.cat([parts[i][1][n] for i in range(len(parts))]).view(by_id[kid].shape) for n in sorted(parts[0][1])}
                 keys[kid] = {"step": parts[0][0], "tensors": tensors}
-        return {"optimizer": desc, "num_update": num_update, "keys": keys}
+        num_update = max(int((a.meta or {}).get("num_update", 0)) for a in answers)
+        return {"optimizer": descs[0], "num_update": num_update, "keys": keys}
 
     def _load_optimizer_state(self, state: dict[str, Any], optimizer: Optimizer) -> None:
         batches: dict[int, tuple[list[Any], list[Any]]] = {s: ([], []) for s in range(self.num_servers)}
