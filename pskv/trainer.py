@@ -26,6 +26,8 @@ ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, T
 def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     """Keys and, per device replica, the tensors (one replica unless a list of them is given); a
     shared tensor is trained once, frozen ones are left out."""
+    if isinstance(params, Tensor):  # (list() would take its rows for parameters)
+        raise TrainerError("params must be an iterable of tensors (model.parameters()), not one tensor")
     groups = [params] if isinstance(params, Mapping) else list(params)
     if not groups:
         raise TrainerError("the Trainer got no parameters")
@@ -34,7 +36,7 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     replicas = []
     for group in groups:
         if isinstance(group, Tensor):
-            raise TrainerError("params must be an iterable of tensors (model.parameters()), not one tensor")
+            raise TrainerError("params must be tensors, or one list of them per device replica; got a tensor beside lists")
         kept: dict[int, tuple[Key, Tensor]] = {}  # id(tensor) -> its key and itself
         for item in group.items() if isinstance(group, Mapping) else group:
             name, t = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (None, item)
