@@ -63,16 +63,14 @@ class Van:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._router: Optional[zmq.Socket[bytes]] = None
         self._dealers: dict[str, zmq.Socket[bytes]] = {}
-        self._names: dict[zmq.Socket[bytes], str] = {}  # dealers and their monitors -> peer names
-        self._monitors: dict[zmq.Socket[bytes], zmq.Socket[bytes]] = {}  # socket -> its monitor (TCP only)
+        self._names: dict[zmq.Socket[bytes], str] = {}  # dealers -> peer names
+        self._monitors: dict[zmq.Socket[bytes], tuple[zmq.Socket[bytes], str]] = {}  # monitor -> its socket, peer name (TCP only)
         self._fds: dict[bytes, int] = {}  # a connection that reached us -> its file descriptor (for its end)
         self._pipes: dict[int, str] = {}  # watched pipes -> names
         self.polled = 0.0  # when recv last looked at every connection: silence is judged against it
         self._poller = zmq.Poller()
-        self._wake_r, self._wake_w = os.pipe()
-        for fd in (self._wake_r, self._wake_w):
-            os.set_blocking(fd, False)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK)  # written to by :meth:`wake`
+        self._poller.register(self._wake, zmq.POLLIN)
         self.closed = False
         try:
             self.secret, self.encrypt = config.secret(), config.getenv("PSKV_ENCRYPT", False)
@@ -119,8 +117,8 @@ class Van:
     def _watch(self, sock: zmq.Socket[bytes], peer: str, endpoint: str) -> None:
         """Report ``sock``'s TCP connections that close (inproc ones end only with the process)."""
         if endpoint.startswith("tcp://"):
-            monitor = self._monitors[sock] = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-            self._names[monitor] = peer
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[monitor] = (sock, peer)
             self._poller.register(monitor, zmq.POLLIN)
 
     def watch_pipe(self, fd: int, name: str) -> None:
@@ -152,18 +150,15 @@ class Van:
         """Queue ``msg`` for ``peer`` (its payload buffers must stay unchanged until sent; with ``track``, the
         ``wait(timeout)`` returned is true once they may be reused); :class:`PeerUnreachable` if it cannot."""
         frames = encode(msg)
-        limited = self.max_frame and not peer.startswith("client:")
-        over = [n for n in (_buf(f).nbytes for f in frames) if n > self.max_frame] if limited else []
+        client = peer.startswith("client:")  # (only a listener has such peers)
+        over = [n for n in (_buf(f).nbytes for f in frames) if n > self.max_frame] if self.max_frame and not client else []
         if over:
             raise ProtocolError(f"{msg.type.name} to {peer.split('/')[0]} has a frame of {over[0]} bytes; servers take at most "
                                 f"{self.max_frame} (PSKV_MAX_MESSAGE_BYTES; set it the same for every node of the job)")
+        sock = self._router if client else self._dealers[peer]
+        assert sock is not None
         try:
-            if peer.startswith("client:"):  # (only a listener has such peers)
-                assert self._router is not None
-                frames = [bytes.fromhex(peer[7:]), *frames]
-                tracker = self._router.send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
-            else:
-                tracker = self._dealers[peer].send_multipart(frames, zmq.NOBLOCK, copy=False, track=track)
+            tracker = sock.send_multipart([bytes.fromhex(peer[7:]), *frames] if client else frames, zmq.NOBLOCK, copy=False, track=track)
         except (zmq.Again, zmq.ZMQError) as exc:
             raise PeerUnreachable(f"{peer} has no live connection; {msg.type.name} was not sent ({exc})") from None
         if not track or tracker is None:
@@ -181,14 +176,13 @@ class Van:
         self.polled = time.monotonic()
         for sock, _ in self._poller.poll(max(0, int(timeout * 1000))):
             if isinstance(sock, int):
-                if sock in self._pipes and not os.read(sock, 4096):
+                if sock == self._wake:
+                    os.eventfd_read(sock)  # (takes every wake-up so far)
+                elif not os.read(sock, 4096):  # a watched pipe
                     self._poller.unregister(sock)
                     out.append((self._pipes.pop(sock), PeerGone("its end of the lifeline closed")))
-                with contextlib.suppress(BlockingIOError):
-                    while sock == self._wake_r and os.read(sock, 4096):
-                        pass
                 continue
-            if sock in self._names and sock not in self._dealers.values():  # a monitor: connections that closed
+            if sock in self._monitors:  # connections that closed
                 out.extend(self._closed(sock))
                 continue
             for _ in range(self.MAX_BATCH):
@@ -218,7 +212,7 @@ class Van:
         out: list[Received] = []
         while monitor.poll(0):
             fd = recv_monitor_message(monitor)["value"]
-            peer = self._names[monitor]
+            peer = self._monitors[monitor][1]
             if not peer:  # the listener's: which connection had that descriptor
                 # (a suspicion only: the descriptor may have been reused by a connection that has
                 # not sent yet, so a peer that goes on sending is alive; the next message tells its fd)
@@ -258,15 +252,15 @@ class Van:
 
     def wake(self) -> None:
         """Make a blocked :meth:`recv` return now; safe from any thread."""
-        with contextlib.suppress(OSError):  # a wake-up is already pending, or the van is closed (fd -1)
-            os.write(self._wake_w, b"!")
+        with contextlib.suppress(OSError):  # the van is closed (fd -1)
+            os.eventfd_write(self._wake, 1)
 
     def close(self, linger: float = 1.0) -> None:
         """Close every connection, trying for ``linger`` seconds to deliver what is queued."""
         if self.closed:
             return
         self.closed = True
-        for sock, monitor in self._monitors.items():
+        for monitor, (sock, _) in self._monitors.items():
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             monitor.close(linger=0)
@@ -274,8 +268,5 @@ class Van:
             sock.setsockopt(zmq.LINGER, int(linger * 1000))
             sock.close()
         self._dealers.clear()
-        fds = (self._wake_r, self._wake_w)
-        self._wake_r = self._wake_w = -1
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        wake, self._wake = self._wake, -1
+        os.close(wake)
