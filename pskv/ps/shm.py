@@ -21,10 +21,10 @@ DEFAULT_ARENA = 64 << 20
 
 
 def mode() -> str:
-    value = config.getenv("PSKV_SHM", "auto").lower()
-    if value not in ("auto", "0", "1"):
-        raise ClusterError(f"PSKV_SHM={value!r}: use auto, 0 or 1")
-    return value
+    try:
+        return config.getenv("PSKV_SHM", "auto", choices=("auto", "0", "1"))
+    except ValueError as exc:  # a node that cannot start says so as a ClusterError
+        raise ClusterError(str(exc)) from None
 
 
 class Arena:
