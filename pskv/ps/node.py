@@ -180,7 +180,11 @@ class Node:
         wait = config.start_timeout()
         until = time.monotonic() + wait
         early: list[Received] = []
-        while (left := until - time.monotonic()) > 0:
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
+                raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
             for peer, msg in self.van.recv(min(left, 0.5)):
                 if isinstance(msg, PeerGone):
                     raise self.lost(peer)
@@ -197,8 +201,6 @@ class Node:
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])
                     self.last_heard = time.monotonic()
                     return early
-        missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
-        raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
 
     @property
     def name(self) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
@@ -31,15 +31,23 @@ PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
 
 @dataclass(eq=False)
 class Answer:
-    """One entry of a request: kept while it waits for its round or its value, then what to send for it."""
+    """What to send for one entry of a request."""
 
     req: Any  # who asked: the server's handle, opaque here
     entry: int = -1
-    round: int = 0  # pulls and merge-acknowledgements: the round they wait for
-    rows: Optional[Tensor] = None  # pulls of some rows only
     value: Optional[Tensor] = None  # a pull's data
     part: Optional[Part] = None  # set when ``value`` is ``part.value`` itself (no copy was made)
     error: Optional[PSKVError] = None
+
+
+@dataclass(eq=False)
+class Waiting:
+    """An entry of a request kept until its round or its value comes."""
+
+    req: Any
+    entry: int
+    round: int = 0  # pulls and pushes: the round they belong to
+    rows: Optional[Tensor] = None  # pulls of some rows only
     since: float = field(default_factory=time.monotonic)
 
 
@@ -86,14 +94,14 @@ class Part:
     home: Any = None  # where the server keeps the value (its shared-memory slot), opaque here
     scratch: Optional[Tensor] = None  # where a round's pushes are summed before the optimizer runs
     initialised_by: set[int] = field(default_factory=set)
-    inits: list[Answer] = field(default_factory=list)  # INITs answered when the value arrives
+    inits: list[Waiting] = field(default_factory=list)  # INITs answered when the value arrives
     rounds: int = 0  # rounds completed
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
     base: dict[int, int] = field(default_factory=dict)  # worker -> the rounds before it rejoined (it counts from 0)
-    queued: dict[int, deque[tuple[Tensor, Optional[Answer], bool]]] = field(default_factory=dict)  # not merged yet
+    queued: dict[int, deque[tuple[Tensor, Optional[Waiting], bool]]] = field(default_factory=dict)  # not merged yet
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
     rescale: Optional[tuple[int, float]] = None  # (round, rescale) a pull brought before that round merged
-    pulls: list[Answer] = field(default_factory=list)
+    pulls: list[Waiting] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -142,22 +150,24 @@ class Rounds:
                 raise ProtocolError(f"bad INIT of key {e.name} part {e.part}: numel {e.numel}, row_numel {e.row_numel}")
             if (e.value is not None) != (rank == 0):
                 raise ProtocolError(f"key {e.name}: worker 0 sends the init value, and only worker 0")
-            if p is not None and (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
+            if p is None:
+                continue
+            if (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
                 raise ShapeMismatchError(f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} "
                                          f"({mode}), another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must "
                                          "create the same store type and init the same keys in the same order")
-            if p is not None and rank in p.initialised_by and rank in self.workers:  # (one back in a lost one's place inits again)
+            if rank in p.initialised_by and rank in self.workers:  # (a worker back in a lost one's place inits again)
                 raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []
         for i, e in enumerate(entries):
             p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode))
             p.initialised_by.add(rank)
-            p.inits.append(Answer(req, i))
+            p.inits.append(Waiting(req, i))
             if e.value is not None and p.value is None:
                 p.value = self.storage(p)
                 p.value.view(-1).copy_(e.value)
             if p.value is not None:
-                out += p.inits
+                out += [Answer(w.req, w.entry) for w in p.inits]
                 p.inits = []
         return out
 
@@ -192,12 +202,12 @@ class Rounds:
             if p.mode == "async":
                 assert p.value is not None
                 apply_push(self.optimizer, p.state_key, e.grad, p.value)
-                out.append(self._answer(p, Answer(req, i)) if e.reply else Answer(req, i))
+                out.append(self._answer(p, Waiting(req, i)) if e.reply else Answer(req, i))
                 continue
-            ack = Answer(req, i, e.round) if e.ack_when_merged and not e.reply else None
+            ack = Waiting(req, i, e.round) if e.ack_when_merged and not e.reply else None
             p.queued.setdefault(rank, deque()).append((e.grad, ack, e.held))
             if e.reply:  # answered like a pull of its round (which comes after the merge)
-                p.pulls.append(Answer(req, i, e.round))
+                p.pulls.append(Waiting(req, i, e.round))
             elif ack is None:
                 out.append(Answer(req, i))
             touched[id(p)] = p
@@ -212,14 +222,15 @@ class Rounds:
         out: list[Answer] = []
         while p.held is None and all(p.queued.get(r) for r in self.workers):
             entries = [p.queued[r].popleft() for r in self.workers]
-            out += [ack for _, ack, _ in entries if ack is not None]
+            out += [Answer(ack.req, ack.entry) for _, ack, _ in entries if ack is not None]
             merged = self._merge(p, [g for g, _, _ in entries])
-            held = merged is not None and any(h for _, _, h in entries)
-            rescale = p.rescale[1] if held and p.rescale is not None and p.rescale[0] == p.rounds + 1 else None  # a pull of it came
-            if held and (rescale is None or self.optimizer is None):
-                p.held = merged
-            else:
-                out += self._apply(p, merged, rescale)
+            if merged is not None and any(held for _, _, held in entries):
+                if p.rescale is None or p.rescale[0] != p.rounds + 1 or self.optimizer is None:
+                    p.held = merged
+                    break
+                out += self._apply(p, merged, p.rescale[1])  # a pull of this round came already
+                continue
+            out += self._apply(p, merged)
         return out
 
     def _merge(self, p: Part, grads: list[Tensor]) -> Optional[Tensor]:
@@ -269,29 +280,27 @@ class Rounds:
         out: list[Answer] = []
         for i, e in enumerate(entries):
             p = e.part
-            if e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
-                p.rescale = (e.round, e.rescale)  # kept for when the round merges (its last push may never pull)
-                if p.held is not None:  # merged: its update, with the rescale this pull brings
-                    held, p.held = p.held, None
-                    out += self._apply(p, held, e.rescale) + self._complete(p)
-            w = Answer(req, i, e.round, e.rows)
+            if e.rescale is not None and p.held is not None and e.round == p.rounds + 1 and self.optimizer is not None:
+                held, p.held = p.held, None  # the held round's update, with the rescale this pull brings
+                out += self._apply(p, held, e.rescale)
+                out += self._complete(p)
+            elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
+                p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
             if e.mirror:
-                out.append(w)
+                out.append(Answer(req, i))
             elif p.mode == "async" or e.round <= p.rounds:
-                out.append(self._answer(p, w))
+                out.append(self._answer(p, Waiting(req, i, e.round, e.rows)))
             else:
-                p.pulls.append(w)
+                p.pulls.append(Waiting(req, i, e.round, e.rows))
         return out
 
-    def _answer(self, p: Part, w: Answer) -> Answer:
+    def _answer(self, p: Part, w: Waiting) -> Answer:
         assert p.value is not None
         if w.rows is not None:
-            w.value = p.value.index_select(0, w.rows)
-        elif p.mode == "async":
-            w.value = p.value.clone()
-        else:
-            w.value, w.part = p.value, p
-        return w
+            return Answer(w.req, w.entry, p.value.index_select(0, w.rows))
+        if p.mode == "async":
+            return Answer(w.req, w.entry, p.value.clone())
+        return Answer(w.req, w.entry, p.value, part=p)
 
     def _blocker(self, p: Part, round: int) -> Optional[NodeFailedError]:
         """Why ``round`` of ``p`` can never complete (a worker finished without pushing it), or None."""
@@ -304,12 +313,15 @@ class Rounds:
             return []
         merged = p.rounds + (p.held is not None)  # rounds merged (a held one waits only for its rescale)
         reachable = merged + min(len(p.queued.get(r, ())) for r in self.finished)
-        out = [replace(w, error=self._blocker(p, w.round)) for w in p.pulls if w.round > reachable]
-        p.pulls = [w for w in p.pulls if w.round <= reachable]
+        out = []
+        for w in [w for w in p.pulls if w.round > reachable]:
+            p.pulls.remove(w)
+            out.append(Answer(w.req, w.entry, error=self._blocker(p, w.round)))
         for q in p.queued.values():
             while len(q) > reachable - merged:
-                if (ack := q.pop()[1]) is not None:
-                    out.append(replace(ack, error=self._blocker(p, ack.round)))
+                _, ack, _ = q.pop()
+                if ack is not None:
+                    out.append(Answer(ack.req, ack.entry, error=self._blocker(p, ack.round)))
         return out
 
     def finish(self, rank: int) -> list[Answer]:
@@ -350,11 +362,11 @@ class Rounds:
                 gap = f"round {w.round - 1}: workers {missing} have not pushed key {p.name} in that round (pushed: {got})"
                 if not missing:
                     gap = f"round {w.round - 1} of key {p.name}: every worker pushed; its update waits for the rescale a pull of it brings"
-                out.append(replace(w, error=deadline(f"the pull of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
+                out.append(Answer(w.req, w.entry, error=deadline(f"the pull of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
             for w in [w for w in p.inits if now - w.since > self.timeout]:
                 p.inits.remove(w)
                 gap = f"its value: worker 0 sends it and has not; workers that called init: {sorted(p.initialised_by)}"
-                out.append(replace(w, error=deadline(f"the init of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
+                out.append(Answer(w.req, w.entry, error=deadline(f"the init of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
         return out
 
     def fail_all(self, exc: PSKVError) -> list[Answer]:
@@ -362,7 +374,7 @@ class Rounds:
         out = []
         for p in self.parts.values():
             acks = [ack for q in p.queued.values() for _, ack, _ in q if ack is not None]
-            out += [replace(w, error=exc) for w in (*p.pulls, *p.inits, *acks)]
+            out += [Answer(w.req, w.entry, error=exc) for w in (*p.pulls, *p.inits, *acks)]
             p.pulls, p.inits = [], []
             p.queued.clear()
         return out
@@ -382,8 +394,10 @@ class Rounds:
 
     def states(self) -> list[tuple[Part, KeyState]]:
         """Every part's optimizer state (parts no update reached yet have none)."""
-        states = self.optimizer.states if self.optimizer is not None else {}
-        return [(p, states[p.state_key]) for p in self.parts.values() if p.state_key in states]
+        opt = self.optimizer
+        if opt is None:
+            return []
+        return [(p, opt.states[p.state_key]) for p in self.parts.values() if p.state_key in opt.states]
 
     def load_states(self, desc: Any, num_update: int, entries: Iterable[tuple[Part, int, dict[str, Tensor]]]) -> None:
         """Install saved states, all checked first (an optimizer is set from ``desc`` if there is none)."""

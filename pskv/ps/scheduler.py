@@ -63,6 +63,8 @@ class Scheduler:
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
+        if group not in ("server", "worker", "all"):
+            raise ClusterError(f"unknown barrier group {group!r}")
         nodes = [n for n in self.nodes.values() if group in (n.role, "all") and not n.lost and not n.joining]
         return sorted(nodes, key=lambda n: (n.role, n.rank))  # "server" < "worker"
 
@@ -121,7 +123,8 @@ class Scheduler:
         if node is not None:
             node.last_seen, node.closed = time.monotonic(), 0.0
         if msg.type == Type.REGISTER:
-            return self._register(peer, msg)
+            self._register(peer, msg)
+            return
         if node is None:
             raise ClusterError(f"{msg.type.name} from a node that has not registered")
         if msg.type == Type.HEARTBEAT:
@@ -132,26 +135,25 @@ class Scheduler:
             self._finalize(node, msg)
         elif msg.type == Type.OK and self.acks is not None and node.role == "server":  # to WORKER_BACK
             self.acks.discard(peer)
-            self._settle()
+            for group in list(self.barriers):
+                self._release(group)
         else:
             raise ClusterError(f"the scheduler does not handle {msg.type.name}")
 
     def _register(self, peer: str, msg: Message) -> None:
         meta = msg.meta or {}
-        role, wanted = meta.get("role"), meta.get("id")
+        role = meta.get("role")
         if role not in ("server", "worker"):
             raise ClusterError(f"cannot register role {role!r}")
         want = self.env.num_servers if role == "server" else self.env.num_workers
         workers = [n for n in self.nodes.values() if n.role == "worker"]
         lost = sorted({n.rank for n in workers if n.lost} - {n.rank for n in workers if not n.lost}) if self.started and role == "worker" else []
-        if lost and wanted in (None, *lost):  # a lost worker's rank (--max-restarts), admitted at the next allgather (_release)
-            rank = lost[0] if wanted is None else wanted
-            node = self.nodes[peer] = _Node(peer, "worker", meta, rank, joining=True)
-            self._send(node, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
-            return say("scheduler", f"worker {rank} is back from {meta.get('hostname')} pid {meta.get('pid')}; it joins at the next allgather")
+        if lost and meta.get("id") in (None, *lost):
+            return self._rejoin(peer, meta, lost[0] if meta.get("id") is None else meta["id"])
         if self.started or len(self._members(role)) >= want:
             raise ClusterError(f"the job already has its {want} {role}s; refusing {role} from host {meta.get('host')} "
                                f"pid {meta.get('pid')}")
+        wanted = meta.get("id")
         if wanted is not None:
             if not isinstance(wanted, int) or not 0 <= wanted < want:
                 raise ClusterError(f"{role} id {wanted!r} is out of range 0..{want - 1}")
@@ -181,6 +183,13 @@ class Scheduler:
         latest = {(n.role, n.rank): {**n.info(), **({"lost": True} if n.lost else {})} for n in self.nodes.values()}
         return {f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")}
 
+    def _rejoin(self, peer: str, meta: dict[str, Any], rank: int) -> None:
+        """A worker registers in the place of lost worker ``rank`` (pskv launch --max-restarts): it
+        gets that rank now, and is admitted at the workers' next allgather (see ``_release``)."""
+        node = self.nodes[peer] = _Node(peer, "worker", meta, rank, joining=True)
+        self._send(node, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
+        say("scheduler", f"worker {rank} is back from {meta.get('hostname')} pid {meta.get('pid')}; it joins at the next allgather")
+
     def _fail_start(self) -> None:
         have_s, have_w = len(self._members("server")), len(self._members("worker"))
         ids = {(n.role, n.meta.get("id")) for n in self.nodes.values()}
@@ -200,19 +209,16 @@ class Scheduler:
         if node.joining:
             self.admits[node.peer] = msg
             return
-        if group not in ("server", "worker", "all"):
-            raise ClusterError(f"unknown barrier group {group!r}")
+        gone = [n for n in self._members(group) if n.finished]
+        if gone:
+            raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
         self.barriers.setdefault(group, _Barrier(time.monotonic())).waiting[node.peer] = msg
         self._release(group)
 
     def _release(self, group: str) -> None:
-        """Answer the barrier of ``group`` once every member is in it; fail it if a member finished."""
         members, bar = self._members(group), self.barriers[group]
-        if gone := [n for n in members if n.finished]:
-            return self._fail_barrier(group, finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s"))
-        if not all(n.peer in bar.waiting for n in members):
-            return
-        if self.admits and group != "server" and all("value" in (bar.waiting[n.peer].meta or {}) for n in members):
+        ready = all(n.peer in bar.waiting for n in members)
+        if ready and self.admits and group != "server" and all("value" in (bar.waiting[n.peer].meta or {}) for n in members):
             # an allgather admits the workers waiting to rejoin; first, the servers count them in
             live = {n.peer for n in self._members("server")}
             if self.acks is None:
@@ -225,12 +231,13 @@ class Scheduler:
                 self.nodes[peer].joining, bar.waiting[peer] = False, req
             self.admits, self.acks = {}, None
             members = self._members(group)
-        del self.barriers[group]
-        # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
-        values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
-        meta = {"values": values} if any("value" in (bar.waiting[n.peer].meta or {}) for n in members) else None
-        for n in members:
-            self._send(n, bar.waiting[n.peer].reply(Type.OK, meta=meta))
+        if ready:
+            del self.barriers[group]
+            # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
+            values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
+            meta = {"values": values} if any("value" in (bar.waiting[n.peer].meta or {}) for n in members) else None
+            for n in members:
+                self._send(n, bar.waiting[n.peer].reply(Type.OK, meta=meta))
 
     def _fail_barrier(self, group: str, exc: Exception) -> None:
         bar = self.barriers.pop(group)
@@ -254,14 +261,13 @@ class Scheduler:
         if node.lost or node.joining:  # the rounds go on without it already
             return
         self._broadcast(Message(Type.WORKER_LEFT, meta={"rank": node.rank}), roles=("server",))
-        self._settle()
-
-    def _settle(self) -> None:
-        """The members or what they wait for changed: answer or fail the barriers that can be; once every
-        worker finished, the job ends."""
         for group in list(self.barriers):
-            self._release(group)
-        if self.status is None and all(n.finished for n in self._members("worker")):
+            if node in self._members(group):
+                self._fail_barrier(group, finished_without(str(node), f"reaching the barrier of the {group}s"))
+        self._shutdown_when_done()
+
+    def _shutdown_when_done(self) -> None:
+        if all(n.finished for n in self._members("worker")):
             self._tell("ended")
             for node in [n for n in self.nodes.values() if n.joining]:  # too late to rejoin
                 exc = ClusterError(f"the job ended (every other worker finished) before {node} could rejoin it")
@@ -297,7 +303,9 @@ class Scheduler:
         """The job goes on without ``node``: it is a member of nothing now; ``notice`` tells the ``role``s."""
         self._let_go(node, text)
         self._broadcast(notice, roles=(role,))
-        self._settle()
+        for group in list(self.barriers):
+            self._release(group)
+        self._shutdown_when_done()
 
     def _lost(self, node: _Node, reason: str) -> None:
         """``node`` failed: the job goes on without it if it may (a replica, ``--min-workers``), else ends."""

@@ -139,14 +139,13 @@ class Server(Node):
                 self._fail(req, ClusterError(f"{self.name} failed on {msg}: {exc!r}"))
 
     def _control(self, msg: Message) -> None:
-        meta = msg.meta or {}
         if msg.type == Type.SHUTDOWN:
             self.status = 0
         elif msg.type == Type.WORKER_LEFT:  # finished, or lost with the job going on without it
-            rank = int(meta["rank"])
-            self._deliver(self.rounds.lose(rank) if meta.get("lost") else self.rounds.finish(rank))
+            rank, lost = int((msg.meta or {})["rank"]), bool((msg.meta or {}).get("lost"))
+            self._deliver(self.rounds.lose(rank) if lost else self.rounds.finish(rank))
         elif msg.type == Type.WORKER_BACK:
-            for rank in meta["ranks"]:
+            for rank in (msg.meta or {})["ranks"]:
                 self.rounds.rejoin(int(rank))
             self._send("scheduler", msg.reply(Type.OK))
         elif msg.type == Type.NODE_FAILED:
@@ -193,38 +192,40 @@ class Server(Node):
             timeline.span("answer", t0, requests=len(out))
 
     def _request(self, peer: str, req: _Request) -> None:
-        msg, meta = req.msg, req.msg.meta or {}
+        msg = req.msg
         if msg.type == Type.HELLO:
-            return self._hello(peer, req)
+            self._hello(peer, req)
+            return
         rank = self.ranks.get(peer)
         if rank is None:
             raise ProtocolError(f"a {msg.type.name} on a connection that has not said HELLO")
         t0 = timeline.now()
-        if msg.type == Type.INIT:  # INIT, PUSH and PULL are answered entry by entry (the outbox)
-            return self._deliver(self.rounds.init(req, rank, str(meta.get("mode")), self._init_entries(msg)))
-        if msg.type == Type.PUSH:
+        if msg.type == Type.INIT:
+            self._deliver(self.rounds.init(req, rank, str((msg.meta or {}).get("mode")), self._init_entries(msg)))
+        elif msg.type == Type.PUSH:
             pushes = self._push_entries(msg, rank, req)
             self._deliver(self.rounds.push(req, rank, pushes))  # merges and updates the rounds it completes
-            return timeline.span(f"PUSH from worker {rank}", t0, parts=len(pushes))
-        if msg.type == Type.PULL:
+            timeline.span(f"PUSH from worker {rank}", t0, parts=len(pushes))
+        elif msg.type == Type.PULL:
             pulls = self._pull_entries(msg, req)
             self._deliver(self.rounds.pull(req, rank, pulls))
-            return timeline.span(f"PULL from worker {rank}", t0, parts=len(pulls))
-        reply = msg.reply(Type.OK)  # the others are answered with one message
-        if msg.type == Type.SET_OPTIMIZER:
+            timeline.span(f"PULL from worker {rank}", t0, parts=len(pulls))
+        elif msg.type == Type.SET_OPTIMIZER:
+            meta = msg.meta or {}
             self.rounds.set_optimizer(meta.get("optimizer"), bool(meta.get("keep_states")))
+            self._send(req.route, msg.reply(Type.OK))
         elif msg.type == Type.GET_STATES:
-            reply = self._get_states(msg)
+            self._get_states(req)
         elif msg.type == Type.SET_STATES:
             self._set_states(msg)
+            self._send(req.route, msg.reply(Type.OK))
         elif msg.type == Type.SHM_PROBE:  # map the worker's arena (checking its token), tell it where ours is
             if not self.shm:
                 raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-            self.shared.accept(meta, int(self.workers[rank]["pid"]))
-            reply = msg.reply(Type.OK, meta=self.shared.probe())
+            self.shared.accept(msg.meta or {}, int(self.workers[rank]["pid"]))
+            self._send(req.route, msg.reply(Type.OK, meta=self.shared.probe()))
         else:
             raise ProtocolError(f"a server does not handle {msg.type.name}")
-        self._send(req.route, reply)
 
     def _hello(self, peer: str, req: _Request) -> None:
         meta, proven = req.msg.meta or {}, self.van.who(peer)
@@ -242,10 +243,12 @@ class Server(Node):
         self._send(req.route, req.msg.reply(Type.OK))
 
     def _init_entries(self, msg: Message) -> list[InitEntry]:
-        with _Frames(msg) as frames:  # worker 0's INIT brings a value per part
+        with _Frames(msg) as frames:
             entries = [InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), None)
                        for key, index, dtype, numel, row_numel, _row_sparse, name in (msg.meta or {})["parts"]]
-            return [e._replace(value=frame_tensor(frames.take(), e.dtype, e.numel)) if msg.frames else e for e in entries]
+            if msg.frames:  # worker 0's: a value per part
+                entries = [e._replace(value=frame_tensor(frames.take(), e.dtype, e.numel)) for e in entries]
+        return entries
 
     def _push_entries(self, msg: Message, rank: int, req: _Request) -> list[PushEntry]:
         """Decode every part of a push (checked, nothing applied): gradients as ``rows x row_numel``."""
@@ -253,35 +256,39 @@ class Server(Node):
         with _Frames(msg) as frames:
             for row in PUSH.unpack(frames.take()):
                 p = self.rounds.part(row.key, row.part)
-                grad = self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg)
+                grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank)
                 entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply)))
                 req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         return entries
 
     def _gradient(self, p: Part, row: Any, payload: list[Any], rank: int, msg: Message) -> Tensor:
-        """A pushed gradient, ``rows x row_numel``; one with NaN or Inf is an error, or zeros (``PSKV_NONFINITE``)."""
-        if row.kind == PushKind.DENSE and row.fd >= 0 and not payload:
-            if not self.shm:
-                raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-            grad = self.shared.tensor(int(self.workers[rank]["pid"]), row.fd, row.offset, p.nbytes, p.dtype).view(p.rows, p.row_numel)
-        elif row.kind == PushKind.DENSE and len(payload) == 1:
-            grad = frame_tensor(payload[0], p.dtype, p.numel).view(p.rows, p.row_numel)
+        if row.kind == PushKind.DENSE:
+            if row.fd >= 0 and not payload:
+                if not self.shm:
+                    raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
+                return self.shared.tensor(int(self.workers[rank]["pid"]), row.fd, row.offset, p.nbytes, p.dtype).view(p.rows, p.row_numel)
+            if len(payload) == 1:
+                return frame_tensor(payload[0], p.dtype, p.numel).view(p.rows, p.row_numel)
         elif row.kind == PushKind.SPARSE and len(payload) == 2:
             ids = frame_tensor(payload[0], torch.int64)
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= p.rows):
                 raise ProtocolError(f"{p}: pushed row ids outside [0, {p.rows})")
             values = frame_tensor(payload[1], p.dtype, ids.numel() * p.row_numel).view(-1, p.row_numel)
-            grad = torch.sparse_coo_tensor(ids.unsqueeze(0), values, (p.rows, p.row_numel), check_invariants=False)
+            return torch.sparse_coo_tensor(ids.unsqueeze(0), values, (p.rows, p.row_numel), check_invariants=False)
         elif row.kind == PushKind.COMPRESSED and payload:
             codec = Codec.create((msg.meta or {}).get("codec", {}))
-            grad = torch.zeros(p.numel, dtype=p.dtype)
+            total = torch.zeros(p.numel, dtype=p.dtype)
             for frame in payload:
-                grad.add_(codec.decode(frame_tensor(frame, codec.wire_dtype, codec.wire_numel(p.numel)), p.numel, p.dtype))
-            grad = grad.view(p.rows, p.row_numel)
-        else:
-            raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
+                total.add_(codec.decode(frame_tensor(frame, codec.wire_dtype, codec.wire_numel(p.numel)), p.numel, p.dtype))
+            return total.view(p.rows, p.row_numel)
+        raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
+
+    def _finite(self, grad: Tensor, p: Part, rank: int) -> Tensor:
+        """``grad``, unless it holds NaN or Inf: then an error, or zeros (``PSKV_NONFINITE``)."""
         values = grad._values() if grad.is_sparse else grad
-        if self.nonfinite == "allow" or bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all()):  # a sum can overflow alone
+        if self.nonfinite == "allow" or not (values.is_floating_point() or values.is_complex()):
+            return grad
+        if bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all()):  # a sum can overflow alone
             return grad
         if self.nonfinite == "error":
             raise NonFiniteError(f"worker {rank} pushed NaN or Inf to {p} ({self.name}); PSKV_NONFINITE=skip pushes such gradients as zeros")
@@ -310,12 +317,12 @@ class Server(Node):
         p.home = (arena.fd, offset)
         return arena.tensor(offset, p.numel, p.dtype).view(p.rows, p.row_numel)
 
-    def _get_states(self, msg: Message) -> Message:
+    def _get_states(self, req: _Request) -> None:
         opt, states = self.rounds.optimizer, self.rounds.states()
         parts = [{"key": p.key, "part": p.index, "step": st.step, "names": sorted(st.tensors)} for p, st in states]
         frames: list[Any] = [tensor_frame(st.tensors[n].contiguous().clone()) for _, st in states for n in sorted(st.tensors)]
         meta = {"optimizer": opt.describe() if opt else None, "num_update": opt.num_update if opt else 0, "parts": parts}
-        return msg.reply(Type.DATA, meta=meta, frames=frames)
+        self._send(req.route, req.msg.reply(Type.DATA, meta=meta, frames=frames))
 
     def _set_states(self, msg: Message) -> None:
         meta = msg.meta or {}

@@ -89,11 +89,15 @@ class Shared:
         if mm is None:
             path = f"/proc/{pid}/fd/{fd}"
             try:
-                with open(path, "r+b", buffering=0) as f:
-                    mm = mmap.mmap(f.fileno(), 0)  # all of it
-            except (OSError, ValueError) as exc:  # (ValueError: an empty file)
-                raise ProtocolError(f"cannot map shared memory {path}: {exc}") from None
-            if len(mm) < HEADER.size or HEADER.unpack_from(mm, 0)[0] != MAGIC:
+                handle = os.open(path, os.O_RDWR)
+            except OSError as exc:
+                raise ProtocolError(f"cannot open shared memory {path}: {exc}") from None
+            try:
+                size = os.fstat(handle).st_size
+                mm = mmap.mmap(handle, size) if size >= HEADER.size else None
+            finally:
+                os.close(handle)
+            if mm is None or HEADER.unpack_from(mm, 0)[0] != MAGIC:
                 raise ProtocolError(f"{path} is not a pskv arena")
             self._maps[pid, fd] = mm
         if token is not None and HEADER.unpack_from(mm, 0)[1] != token:
