@@ -227,7 +227,7 @@ class DistStore(KVStore):
     def _sinks(self, items: list[Group]) -> tuple[Handle, list[Tensor]]:
         """A handle for pulling ``items``, and per key the buffer its parts' answers go to: the first
         output when it is a contiguous CPU tensor, the key's pinned buffer for GPU outputs (once its last
-        copy is done), else a new one; the handle's wait copies to the rest."""
+        copy is done, and unless another pull of the key has it), else a new one; the handle's wait copies to the rest."""
         copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
         @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
         def finish() -> None:  # in the caller's thread, once every part has arrived
@@ -242,8 +242,8 @@ class DistStore(KVStore):
             if not first.is_sparse and first.device.type == "cpu" and first.is_contiguous():
                 copies.append((meta, first, outs[1:]))
                 continue
-            if first.is_cuda and meta.id in self._pinned:
-                buf, copied = self._pinned[meta.id]
+            if first.is_cuda and meta.id in self._pinned:  # taken: a pull of the key meanwhile makes its own
+                buf, copied = self._pinned.pop(meta.id)
                 copied.synchronize()
             else:
                 buf = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=first.is_cuda)

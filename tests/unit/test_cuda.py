@@ -46,3 +46,24 @@ def test_overlap_on_gpu_gives_the_numbers_of_the_plain_path(inproc_job: Job) -> 
     overlapped = inproc_job(2, 2).run_workers(lambda kv: _train(kv, True, None, device="cuda"))
     for a, b in zip(plain[0], overlapped[0]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+
+
+def test_two_pulls_of_one_key_in_flight_get_their_own_rounds(inproc_job: Job) -> None:
+    """A pull into GPU outputs goes through the key's page-locked buffer; a second pull of the key
+    while the first is in flight must not share it (each returns its own round's value)."""
+
+    def body(kv: KVStore) -> list[float]:
+        dev = torch.device("cuda", 0)
+        kv.init(0, torch.zeros(1200, 1000, device=dev))
+        first, second = torch.full((1200, 1000), float("nan"), device=dev), torch.full((1200, 1000), float("nan"), device=dev)
+        kv.pull(0, first)  # the key's page-locked buffer is kept for its next pull
+        kv.push(0, torch.ones(1200, 1000, device=dev))
+        h1 = kv.pull(0, first, wait=False)
+        kv.push(0, torch.full((1200, 1000), 10.0, device=dev))
+        h2 = kv.pull(0, second, wait=False)
+        assert h1 is not None and h2 is not None
+        h2.wait()
+        h1.wait()
+        return [first.min().item(), first.max().item(), second.min().item(), second.max().item()]
+
+    assert inproc_job(2, 2).run_workers(body, "dist_sync") == [[2.0, 2.0, 20.0, 20.0]] * 2
