@@ -8,7 +8,9 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``pskv local``: one process, ``pskv.Trainer`` without a store;
 - ``pskv 1x1`` and ``pskv WxS``: ``pskv launch`` of W workers and S servers (``dist_device_sync``,
   the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
-- ``ddp``: W processes of DistributedDataParallel over gloo on the same device.
+- ``ddp``: W processes of DistributedDataParallel over gloo on the same device;
+- ``ddp hook``: the same DDP, its buckets exchanged through S servers by ``pskv.ddp_hook`` under
+  ``pskv launch`` (``dist_device_sync``; gloo only for DDP's setup).
 
 For each: samples/s (all workers), ms per step, and for pskv the time exposed after backward
 (``step`` plus the waits before each layer's forward, from the Trainer's timeline spans).
@@ -47,16 +49,19 @@ def worker(args: argparse.Namespace) -> None:
     x = torch.randn(args.batch, 3, 32, 32, device=device)
     y = torch.randint(0, 10, (args.batch,), device=device)
     rank, world = 0, 1
-    if args.config == "ddp":
+    if args.config in ("ddp", "ddphook"):
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        kv = pskv.kv.create("dist_device_sync") if args.config == "ddphook" else None
+        dist.init_process_group("gloo", **({"rank": kv.rank, "world_size": kv.num_workers} if kv is not None else {}))
         rank, world = dist.get_rank(), dist.get_world_size()
         model: torch.nn.Module = torch.nn.parallel.DistributedDataParallel(net)
+        if kv is not None:
+            model.register_comm_hook(None, pskv.ddp_hook(kv))
     else:
         model = net
     hyper = {"learning_rate": 0.01, "momentum": 0.9}
-    if args.config in ("plain", "ddp"):
+    if args.config in ("plain", "ddp", "ddphook"):
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, foreach=True)
         trainer = None
     else:
@@ -107,7 +112,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> di
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
         env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or str(Path(tmp) / "t.json")}
-        if config == "pskv":
+        if config in ("pskv", "ddphook"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
         elif config == "ddp":
             with socket.socket() as s:
@@ -147,6 +152,7 @@ def main() -> int:
         "pskv 1x1": run(args, "pskv", 1, 1),
         f"pskv {w}x{s}": run(args, "pskv", w, s),
         f"ddp x{w} (gloo)": run(args, "ddp", w, 0),
+        f"ddp hook {w}x{s}": run(args, "ddphook", w, s),
     }
     base, ddp = rows["plain"], rows[f"ddp x{w} (gloo)"]
     print(f"ResNet-18, batch {args.batch} per worker, {args.device}, median of {args.steps} steps")

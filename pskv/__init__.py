@@ -19,11 +19,12 @@ if TYPE_CHECKING:
     from . import kv as kv
     from . import optim as optim
     from .data import split_and_load as split_and_load
+    from .ddp import ddp_hook as ddp_hook
     from .trainer import Trainer as Trainer
 
 # Imported on first use: the submodules themselves, and names from them.
 _SUBMODULES = ("checkpoint", "compression", "data", "kv", "optim")
-_NAMES = {"split_and_load": "pskv.data", "Trainer": "pskv.trainer"}
+_NAMES = {"split_and_load": "pskv.data", "Trainer": "pskv.trainer", "ddp_hook": "pskv.ddp"}
 
 
 def __getattr__(name: str) -> Any:

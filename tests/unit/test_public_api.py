@@ -34,6 +34,7 @@ EXPECTED = [
     "checkpoint",
     "compression",
     "data",
+    "ddp_hook",
     "kv",
     "optim",
     "split_and_load",

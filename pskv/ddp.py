@@ -1,0 +1,57 @@
+"""A DistributedDataParallel communication hook that exchanges DDP's gradient buckets through a
+store: ``ddp_model.register_comm_hook(None, pskv.ddp_hook(kv))`` (docs/PYTORCH.md). DDP keeps its
+bucketing and its overlap with backward; each bucket is pushed to the servers and its sum pulled
+back, instead of an all-reduce among the workers."""
+
+import queue
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .errors import KVStoreError
+from .kv.base import KVStore
+
+Hook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[Tensor]"]  # type: ignore[name-defined]
+
+
+def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
+    """A hook for ``DistributedDataParallel.register_comm_hook(state, hook)`` (``state`` is unused):
+    a bucket's gradients become their sum over the workers (``op="sum"``) or its mean (``"average"``,
+    DDP's own). The store must run no optimizer (the servers only sum) and not be ``dist_async``; the
+    buckets are its keys ``"ddp-bucket-I-N"`` (index I, N elements: DDP rebuilds its buckets after the
+    first step), so give the hook a store of its own. A thread of the hook completes each bucket's
+    future once the sum is back; DDP waits for the futures at the end of backward."""
+    if op not in ("average", "sum"):
+        raise KVStoreError(f"ddp_hook op {op!r}: it must be 'average' or 'sum'")
+    if kv.type == "dist_async":
+        raise KVStoreError("ddp_hook needs summed rounds; a dist_async store applies each push on its own")
+    if kv._optimizer is not None:
+        raise KVStoreError("ddp_hook: the store runs an optimizer, so a pull would return weights, not the summed gradients")
+    waiting: queue.SimpleQueue[tuple[Any, torch.futures.Future[Tensor], Tensor]] = queue.SimpleQueue()
+
+    def complete() -> None:  # one bucket after the other, in the order DDP handed them over
+        while True:
+            handle, future, buffer = waiting.get()
+            try:
+                handle.wait()
+                future.set_result(buffer.div_(kv.num_workers) if op == "average" else buffer)
+            except BaseException as exc:  # DDP raises it from backward
+                future.set_exception(exc)  # type: ignore[arg-type]
+
+    threading.Thread(target=complete, name="pskv-ddp-hook", daemon=True).start()
+    known: set[str] = set()
+
+    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:  # type: ignore[name-defined]  # (DDP checks them)
+        buffer = bucket.buffer()
+        key = f"ddp-bucket-{bucket.index()}-{buffer.numel()}"
+        if key not in known:  # every worker meets the same buckets in the same order: their inits agree
+            kv.init(key, torch.zeros_like(buffer))
+            known.add(key)
+        future: torch.futures.Future[Tensor] = torch.futures.Future()
+        waiting.put((kv.pushpull(key, buffer, wait=False), future, buffer))
+        return future
+
+    return hook
