@@ -19,7 +19,11 @@ In the same run, with the ResNet-18 payload (42 arrays, 44.7 MB) per round:
 The bound of a parameter server with servers on their own hosts is M/B (each link is full duplex:
 pulls stream down while pushes stream up); a ring all-reduce's is 2M(N-1)/(N B).
 
-    sudo .venv/bin/python benchmarks/cluster_1gbit.py [--workers 4] [--servers 4] [--rounds 10]
+With ``--ddp``, training steps instead: DistributedDataParallel on ResNet-18 (``--batch`` CIFAR-size
+images per worker, SGD), its buckets all-reduced by gloo, or exchanged through the servers by
+``pskv.ddp_hook``; the time of a step (forward, backward with the exchange overlapped, optimizer).
+
+    sudo .venv/bin/python benchmarks/cluster_1gbit.py [--workers 4] [--servers 4] [--rounds 10] [--ddp]
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
 # -- the two systems ----------------------------------------------------------------------------------
 
 
-def run_pskv(args: argparse.Namespace) -> dict[str, list[float]]:
+def run_pskv(args: argparse.Namespace, role: str = "pskv") -> Any:
     w, s = args.workers, args.servers
     base = {"DMLC_PS_ROOT_URI": f"{SUBNET}.1", "DMLC_PS_ROOT_PORT": str(PORT), "DMLC_NUM_WORKER": str(w),
             "DMLC_NUM_SERVER": str(s), "PSKV_SHM": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -117,20 +121,24 @@ def run_pskv(args: argparse.Namespace) -> dict[str, list[float]]:
     workers = []
     for i in range(w):
         env = {**base, "DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i), "DMLC_NODE_HOST": f"{SUBNET}.{i + 1}"}
-        workers.append(start(i, [sys.executable, __file__, "--role", "pskv", "--rounds", str(args.rounds)], env))
+        env.update(gloo_env(i, w))  # (the ddp hook's workers: DDP's own setup)
+        workers.append(start(i, [sys.executable, __file__, "--role", role, "--rounds", str(args.rounds), "--batch", str(args.batch)], env))
     outs = finish(workers, 600)
     finish(helpers, 60)
-    return json.loads(outs[0].strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return json.loads(outs[0].strip().splitlines()[-1])
 
 
-def run_gloo(args: argparse.Namespace, flat: bool) -> list[float]:
+def gloo_env(rank: int, world: int) -> dict[str, str]:
+    return {"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(PORT + 1), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}  # fmt: skip
+
+
+def run_gloo(args: argparse.Namespace, role: str) -> list[float]:
     w = args.workers
     procs = []
     for i in range(w):
-        env = {"MASTER_ADDR": f"{SUBNET}.1", "MASTER_PORT": str(PORT + 1), "RANK": str(i), "WORLD_SIZE": str(w),
-               "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}  # fmt: skip
-        argv = [sys.executable, __file__, "--role", "gloo-flat" if flat else "gloo", "--rounds", str(args.rounds)]
-        procs.append(start(i, argv, env))
+        argv = [sys.executable, __file__, "--role", role, "--rounds", str(args.rounds), "--batch", str(args.batch)]
+        procs.append(start(i, argv, gloo_env(i, w)))
     outs = finish(procs, 600)
     return json.loads(outs[0].strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -194,6 +202,54 @@ def gloo_worker(rounds: int, flat: bool) -> None:
     print(json.dumps([max(t) for t in zip(*everyone)]))
 
 
+def local_hook(state, bucket):  # type: ignore[no-untyped-def]  # (DDP refuses string annotations)
+    """No exchange at all: what a step costs without communication (its weights then differ)."""
+    import torch
+
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
+
+
+def ddp_worker(steps: int, batch: int, hook: str) -> None:
+    """DDP training steps of ResNet-18; prints the slowest worker's time of each step."""
+    import torch
+    import torch.distributed as dist
+
+    import pskv
+    from pskv.app.models import resnet18
+
+    kv = pskv.kv.create("dist_sync") if hook == "ddp-hook" else None
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(resnet18(10))
+    if kv is not None:
+        model.register_comm_hook(None, pskv.ddp_hook(kv))
+    elif hook == "ddp-none":
+        model.register_comm_hook(None, local_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    times = []
+    for _ in range(steps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times[1:])
+    flat = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    got = [torch.empty_like(flat) for _ in everyone]
+    dist.all_gather(got, flat)
+    if hook != "ddp-none" and not all(torch.equal(g, got[0]) for g in got):
+        raise SystemExit("the workers' weights differ")
+    if kv is not None:
+        kv.close()
+    dist.destroy_process_group()
+    print(json.dumps([max(t) for t in zip(*everyone)]))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, default=4)
@@ -201,10 +257,17 @@ def main() -> int:
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--json", type=Path, default=HERE / "results" / "cluster_1gbit.json")
-    p.add_argument("--role", choices=["pskv", "gloo", "gloo-flat"], help=argparse.SUPPRESS)
+    p.add_argument("--ddp", action="store_true", help="time DDP training steps: gloo against pskv.ddp_hook")
+    p.add_argument("--batch", type=int, default=4, help="with --ddp: images per worker and step")
+    p.add_argument("--role", choices=["pskv", "gloo", "gloo-flat", "ddp", "ddp-hook", "ddp-none"], help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.ddp and args.json == HERE / "results" / "cluster_1gbit.json":
+        args.json = HERE / "results" / "cluster_1gbit_ddp.json"
     if args.role == "pskv":
         pskv_worker(args.rounds)
+        return 0
+    if args.role in ("ddp", "ddp-hook", "ddp-none"):
+        ddp_worker(args.rounds, args.batch, args.role)
         return 0
     if args.role:
         gloo_worker(args.rounds, args.role == "gloo-flat")
@@ -217,14 +280,18 @@ def main() -> int:
     down(n)
     try:
         up(n, args.rate)
-        pskv = run_pskv(args)
-        rows = {
-            "pskv pushpull": pskv["round"],
-            "pskv by layer: layer 0 back": pskv["first"],
-            "pskv by layer: all back": pskv["step"],
-            "gloo all_reduce, flat": run_gloo(args, flat=True),
-            "gloo all_reduce, 42 tensors": run_gloo(args, flat=False),
-        }
+        if args.ddp:
+            rows = {"DDP, pskv.ddp_hook": run_pskv(args, "ddp-hook"), "DDP, gloo all-reduce": run_gloo(args, "ddp"),
+                    "DDP, no exchange (compute)": run_gloo(args, "ddp-none")}  # fmt: skip
+        else:
+            pskv = run_pskv(args)
+            rows = {
+                "pskv pushpull": pskv["round"],
+                "pskv by layer: layer 0 back": pskv["first"],
+                "pskv by layer: all back": pskv["step"],
+                "gloo all_reduce, flat": run_gloo(args, "gloo-flat"),
+                "gloo all_reduce, 42 tensors": run_gloo(args, "gloo"),
+            }
     finally:
         down(n)
     nbytes = sum(4 * int(__import__("math").prod(s)) for s in shapes())
@@ -235,8 +302,10 @@ def main() -> int:
         w = args.workers
         print(f"bounds: parameter server M/B {nbytes / rate:.3f} s, ring all-reduce 2M(N-1)/(N B) {2 * nbytes * (w - 1) / w / rate:.3f} s")
     result: dict[str, Any] = {"workers": args.workers, "servers": args.servers, "rate": args.rate, "bytes": nbytes}
-    flat = statistics.median(rows["gloo all_reduce, flat"])
-    print(f"{'':30}{'median':>10}{'p10':>9}{'p90':>9}{'/ gloo flat':>13}")
+    if args.ddp:
+        print(f"DDP training steps, ResNet-18, batch {args.batch} per worker")
+    flat = statistics.median(rows["DDP, gloo all-reduce" if args.ddp else "gloo all_reduce, flat"])
+    print(f"{'':30}{'median':>10}{'p10':>9}{'p90':>9}{'/ gloo' if args.ddp else '/ gloo flat':>13}")
     for name, times in rows.items():
         ordered = sorted(times)
         med = statistics.median(ordered)
