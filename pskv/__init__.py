@@ -20,11 +20,15 @@ if TYPE_CHECKING:
     from . import optim as optim
     from .data import split_and_load as split_and_load
     from .ddp import ddp_hook as ddp_hook
+    from .distributed import DistributedOptimizer as DistributedOptimizer
+    from .distributed import broadcast_optimizer_state as broadcast_optimizer_state
+    from .distributed import broadcast_parameters as broadcast_parameters
     from .trainer import Trainer as Trainer
 
 # Imported on first use: the submodules themselves, and names from them.
 _SUBMODULES = ("checkpoint", "compression", "data", "kv", "optim")
-_NAMES = {"split_and_load": "pskv.data", "Trainer": "pskv.trainer", "ddp_hook": "pskv.ddp"}
+_NAMES = {"split_and_load": "pskv.data", "Trainer": "pskv.trainer", "ddp_hook": "pskv.ddp", **dict.fromkeys(
+    ("DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"), "pskv.distributed")}
 
 
 def __getattr__(name: str) -> Any:

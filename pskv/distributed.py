@@ -1,0 +1,111 @@
+"""Any ``torch.optim`` optimizer over the parameter servers (docs/PYTORCH.md): the servers sum the
+gradients, and the user's optimizer, with its LR scheduler, runs unchanged on every worker (MXNet's
+``update_on_kvstore=False``); :func:`broadcast_parameters` and :func:`broadcast_optimizer_state` make
+every worker start from rank 0's weights and states."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from .errors import TrainerError
+from .kv.base import KVStore
+from .trainer import Trainer
+
+
+class _Distributed:
+    """What a :func:`DistributedOptimizer` adds to the class of the optimizer it wraps."""
+
+    _pskv: Trainer
+    _pskv_op: str
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Sum this step's gradients over the workers (those sent during backward are waited for),
+        average them unless ``op="sum"``, then run the wrapped optimizer's step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._pskv.allreduce_grads(ignore_stale_grad=True)
+        if self._pskv_op == "average" and self._pskv.kvstore is not None:
+            with torch.no_grad():
+                for group in self.param_groups:  # type: ignore[attr-defined]
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.div_(self._pskv.kvstore.num_workers)
+        super().step()  # type: ignore[misc]
+        return loss
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate their gradients here; the next one outside sends the sums."""
+        with self._pskv.no_sync():
+            yield
+
+    def synchronize(self) -> None:
+        """Wait for the exchanges still in flight."""
+        self._pskv.synchronize()
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStore], op: str = "average", overlap: Optional[bool] = None) -> Any:
+    """``optimizer``, with its ``step`` summing the gradients over the workers through ``kv`` (a store
+    or a type name) first: the mean (``op="average"``, as DDP and Horovod) or the sum (``"sum"``).
+    The result is an instance of the optimizer's own class (``isinstance`` holds, so LR schedulers
+    take it) that shares its state and ``param_groups``. Gradients leave during backward where the
+    Trainer would overlap (``overlap=None``; docs/SPEC.md, "Overlap"); a parameter without a gradient
+    on a worker counts as zeros there. Making it sends worker 0's weights to every worker, as ``broadcast_parameters``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TrainerError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if op not in ("average", "sum"):
+        raise TrainerError(f"DistributedOptimizer op {op!r}: it must be 'average' or 'sum'")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    cls: Any = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
+    wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
+    wrapped._pskv_op = op
+    return wrapped
+
+
+def _fresh_keys(kv: KVStore, n: int) -> list[Any]:
+    """``n`` keys this store has not seen, of its kind (int or str), above those a Trainer takes (0, 1, ...)."""
+    used = list(kv._keys)
+    if used and isinstance(used[0], str):
+        return [f"pskv-broadcast-{len(used) + i}" for i in range(n)]
+    start = max([2**40 - 1, *(k for k in used if isinstance(k, int))]) + 1
+    return list(range(start, start + n))
+
+
+def broadcast_parameters(params: Union[Iterable[Any], Mapping[str, Tensor]], kv: KVStore, root_rank: int = 0) -> None:
+    """Copy rank 0's values into every worker's ``params``: tensors, ``(name, tensor)`` pairs or a
+    ``state_dict``. Worker 0's ``init`` value is what every worker pulls, so only ``root_rank=0`` exists."""
+    if root_rank != 0:
+        raise TrainerError(f"broadcast from rank {root_rank}: a store's init value is worker 0's, so root_rank must be 0")
+    items = params.values() if isinstance(params, Mapping) else params
+    tensors: list[Any] = [t[1] if isinstance(t, tuple) else t for t in items]
+    if not tensors or not all(isinstance(t, Tensor) for t in tensors):
+        raise TrainerError("broadcast_parameters takes tensors, (name, tensor) pairs or a state_dict, and at least one")
+    with torch.no_grad():
+        for key, t in zip(_fresh_keys(kv, len(tensors)), tensors):
+            kv.broadcast(key, t.detach(), out=t.detach())
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, kv: KVStore, root_rank: int = 0) -> None:
+    """Give every worker's ``optimizer`` rank 0's ``state_dict``: its states (also where only rank 0
+    has any, as after a resume) and hyperparameters. The state travels as the bytes of ``torch.save``."""
+    if root_rank != 0:
+        raise TrainerError(f"broadcast from rank {root_rank}: a store's init value is worker 0's, so root_rank must be 0")
+    buffer = io.BytesIO()
+    torch.save(optimizer.state_dict(), buffer)
+    mine = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    size_key, data_key = _fresh_keys(kv, 2)
+    size = torch.tensor([mine.numel()], dtype=torch.int64)
+    kv.broadcast(size_key, size.clone(), out=size)  # rank 0's length, then its bytes
+    data = mine if kv.rank == 0 else torch.zeros(int(size), dtype=torch.uint8)
+    kv.broadcast(data_key, data.clone(), out=data)
+    optimizer.load_state_dict(torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True))

@@ -1,0 +1,120 @@
+"""pskv.DistributedOptimizer and the broadcasts: a torch optimizer and its LR scheduler on every
+worker, the gradients summed by the servers; checked against one process training on all batches."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch import nn
+
+import pskv
+from pskv.kv import KVStore
+
+Job = Callable[..., Any]
+STEPS = 6
+
+
+def _net() -> nn.Module:
+    net, g = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)), torch.Generator().manual_seed(0)
+    with torch.no_grad():  # (workers are threads here: the global RNG is shared)
+        for p in net.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return net
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _adamw(net: nn.Module) -> tuple[torch.optim.Optimizer, Callable[[torch.optim.Optimizer], Any]]:
+    opt = torch.optim.AdamW(net.parameters(), lr=0.01, weight_decay=0.05)
+    return opt, lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=STEPS)
+
+
+def _sgd_foreach(net: nn.Module) -> tuple[torch.optim.Optimizer, Callable[[torch.optim.Optimizer], Any]]:
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+    return opt, lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)
+
+
+def _reference(make: Callable[..., Any], workers: int, op: str) -> list[torch.Tensor]:
+    """One process: each step's gradient is the mean (or sum) of every worker's batch gradient."""
+    net = _net()
+    opt, sched = make(net)
+    scheduler = sched(opt)
+    for step in range(STEPS):
+        opt.zero_grad()
+        losses = [nn.functional.cross_entropy(net(x), y) for x, y in (_batch(step, r) for r in range(workers))]
+        (sum(losses) / (workers if op == "average" else 1)).backward()
+        opt.step()
+        scheduler.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _train(kv: KVStore, make: Callable[..., Any], op: str, overlap: bool = False) -> list[torch.Tensor]:
+    net = _net()
+    opt, sched = make(net)
+    dopt = pskv.DistributedOptimizer(opt, kv, op=op, overlap=overlap)
+    assert isinstance(dopt, type(opt))
+    scheduler = sched(dopt)  # a torch LR scheduler takes the wrapper
+    for step in range(STEPS):
+        dopt.zero_grad(set_to_none=True)
+        x, y = _batch(step, kv.rank)
+        nn.functional.cross_entropy(net(x), y).backward()
+        dopt.step()
+        scheduler.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize(("make", "op", "overlap"), [(_adamw, "average", False), (_adamw, "average", True), (_adamw, "sum", False),
+                                                   (_sgd_foreach, "average", True), (_sgd_foreach, "sum", False)])  # fmt: skip
+def test_two_workers_train_as_one_process_on_all_batches(inproc_job: Job, make: Callable[..., Any], op: str, overlap: bool) -> None:
+    """AdamW with OneCycleLR, and a foreach SGD with StepLR; overlap: gradients leave during backward."""
+    got = inproc_job(2, 2).run_workers(lambda kv: _train(kv, make, op, overlap))
+    want = _reference(make, 2, op)
+    for a, b, w in zip(got[0], got[1], want):
+        assert torch.equal(a, b), "the workers' weights differ"
+        assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
+
+
+def test_one_process_without_servers_is_the_plain_optimizer() -> None:
+    """A local store on one device sums nothing: the steps are torch's own, bit for bit."""
+    assert all(torch.equal(a, b) for a, b in zip(_train(pskv.kv.create("local"), _adamw, "average"), _reference(_adamw, 1, "average")))
+
+
+def test_broadcasts_give_every_worker_rank_0s_weights_and_states(inproc_job: Job) -> None:
+    def body(kv: KVStore) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        net, g = nn.Linear(4, 2), torch.Generator().manual_seed(kv.rank)
+        with torch.no_grad():  # different weights on each worker
+            for p in net.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        opt = torch.optim.Adam(net.parameters(), lr=0.1 * (kv.rank + 1))
+        if kv.rank == 0:  # only rank 0 has states, as after a resume
+            net(torch.ones(3, 4)).sum().backward()
+            opt.step()
+        before = [p.detach().clone() for p in net.parameters()]
+        pskv.broadcast_parameters(net.state_dict(), kv)
+        pskv.broadcast_optimizer_state(opt, kv)
+        state = opt.state_dict()
+        assert state["param_groups"][0]["lr"] == pytest.approx(0.1)
+        moments = [state["state"][i][n] for i in sorted(state["state"]) for n in ("exp_avg", "exp_avg_sq")]
+        return before, [*(p.detach().clone() for p in net.parameters()), *moments]
+
+    (mine, first), (_, second) = inproc_job(2, 1).run_workers(body)
+    assert all(torch.equal(a, b) for a, b in zip(mine, first))  # rank 0 keeps its own weights
+    assert len(first) == 6 and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_bad_arguments_are_named() -> None:
+    kv = pskv.kv.create("local")
+    net = nn.Linear(2, 2)
+    with pytest.raises(pskv.TrainerError, match="'max'"):
+        pskv.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), kv, op="max")
+    with pytest.raises(pskv.TrainerError, match=r"torch\.optim\.Optimizer"):
+        pskv.DistributedOptimizer(net, kv)  # type: ignore[arg-type]
+    with pytest.raises(pskv.TrainerError, match="root_rank must be 0"):
+        pskv.broadcast_parameters(net.parameters(), kv, root_rank=1)
+    with pytest.raises(pskv.TrainerError, match="at least one"):
+        pskv.broadcast_parameters([], kv)
