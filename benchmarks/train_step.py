@@ -10,7 +10,9 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
   the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
 - ``ddp``: W processes of DistributedDataParallel over gloo on the same device;
 - ``ddp hook``: the same DDP, its buckets exchanged through S servers by ``pskv.ddp_hook`` under
-  ``pskv launch`` (``dist_device_sync``; gloo only for DDP's setup).
+  ``pskv launch`` (``dist_device_sync``; gloo only for DDP's setup);
+- ``torch opt``: ``pskv.DistributedOptimizer`` around the same ``torch.optim.SGD`` under ``pskv launch``
+  (the servers sum, the optimizer runs on each worker), beside the pskv Trainer's row.
 
 For each: samples/s (all workers), ms per step, and for pskv the time exposed after backward
 (``step`` plus the waits before each layer's forward, from the Trainer's timeline spans).
@@ -61,9 +63,13 @@ def worker(args: argparse.Namespace) -> None:
     else:
         model = net
     hyper = {"learning_rate": 0.01, "momentum": 0.9}
-    if args.config in ("plain", "ddp", "ddphook"):
+    if args.config in ("plain", "ddp", "ddphook", "torchopt"):
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, foreach=True)
         trainer = None
+        if args.config == "torchopt":
+            kv = pskv.kv.create("dist_device_sync")
+            opt = pskv.DistributedOptimizer(opt, kv, op="sum")
+            rank, world = kv.rank, kv.num_workers
     else:
         kv = pskv.kv.create("dist_device_sync") if args.config == "pskv" else None
         overlap = {"on": True, "off": False}.get(args.overlap) if kv is not None else None
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> di
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
         env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or str(Path(tmp) / "t.json")}
-        if config in ("pskv", "ddphook"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
+        if config in ("pskv", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
         elif config == "ddp":
             with socket.socket() as s:
@@ -153,6 +159,7 @@ def main() -> int:
         f"pskv {w}x{s}": run(args, "pskv", w, s),
         f"ddp x{w} (gloo)": run(args, "ddp", w, 0),
         f"ddp hook {w}x{s}": run(args, "ddphook", w, s),
+        f"torch opt {w}x{s}": run(args, "torchopt", w, s),
     }
     base, ddp = rows["plain"], rows[f"ddp x{w} (gloo)"]
     print(f"ResNet-18, batch {args.batch} per worker, {args.device}, median of {args.steps} steps")
