@@ -63,8 +63,7 @@ class DistStore(KVStore):
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
-        self._streams: dict[torch.device, Any] = {}  # a side CUDA stream per device, for copies to the host
-        self._pinned: dict[int, tuple[Tensor, Any]] = {}  # key -> page-locked buffer pulls into GPU outputs go through, its last copy
+        self._streams: dict[tuple[torch.device, bool], Any] = {}  # side CUDA streams per device: copies to the host, from it
 
     @property
     def rank(self) -> int:
@@ -133,7 +132,7 @@ class DistStore(KVStore):
                                                 "optimizer: call set_optimizer first")
         for i, (meta, values) in enumerate(items):
             for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(bufs is not None)):
-                entry = (handle, None, None) if bufs is None else (handle, self._piece(meta, bufs[i], p), meta.dtype)
+                entry = (handle, None, None) if bufs is None else (handle, self._sink(handle, meta, bufs[i], p), meta.dtype)
                 nbytes = p.numel * meta.dtype.itemsize if frames else 0
                 self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
                 if bufs is not None or not frames:  # the part's answer, or our shared slot, is in use until done
@@ -161,10 +160,8 @@ class DistStore(KVStore):
             flats = values if len(rounds) == 1 else [v.reshape(-1) for v in values]
             one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
-        stream = self._streams.get(values[0].device) if gpu else None
-        if gpu:
-            if stream is None:
-                stream = self._streams[values[0].device] = torch.cuda.Stream(values[0].device)  # type: ignore[no-untyped-call]
+        stream = self._stream(values[0].device, True) if gpu else None
+        if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(values[0].device))  # after the gradient is made
             flats[0].record_stream(stream)  # its memory is not reused before the copy is done
         out = []
@@ -202,6 +199,8 @@ class DistStore(KVStore):
             earlier = self._before_push.pop(where, None)
             if earlier is not None and not earlier.done():
                 earlier.wait()  # sends what is queued first
+            for copied in earlier.copies if earlier is not None else ():
+                copied.synchronize()  # its answer is read from the server's memory, which our push lets it change
             self._round_sent[where] = self._round_sent.get(where, 0) + 1
             yield p, self._round_sent[where]
 
@@ -213,7 +212,7 @@ class DistStore(KVStore):
             if p.server in self._client.shm_servers:
                 arena, offset = self._client.shared.slot(p.numel * meta.dtype.itemsize)
                 if gpu:
-                    arena.pin()
+                    self._client.shared.pin(arena.mm)
                 slot, home = arena.tensor(offset, p.numel, meta.dtype), (arena.fd, offset)
             else:
                 slot, home = torch.empty(p.numel, dtype=meta.dtype, pin_memory=True), (-1, 0)
@@ -224,38 +223,55 @@ class DistStore(KVStore):
         """Part ``p``'s elements of ``t``: ``t`` itself when the key has one part (a flat view costs an op)."""
         return t if len(self._parts[meta.id]) == 1 else t.view(-1)[p.start : p.stop]
 
+    def _stream(self, device: torch.device, to_host: bool) -> Any:
+        """A side CUDA stream of ``device`` for copies to the host or from it, made once."""
+        if (device, to_host) not in self._streams:
+            self._streams[device, to_host] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return self._streams[device, to_host]
+
     def _sinks(self, items: list[Group]) -> tuple[Handle, list[Tensor]]:
-        """A handle for pulling ``items``, and per key the buffer its parts' answers go to: the first
-        output when it is a contiguous CPU tensor, the key's pinned buffer for GPU outputs (once its last
-        copy is done, and unless another pull of the key has it), else a new one; the handle's wait copies to the rest."""
-        copies: list[tuple[KeyMeta, Tensor, list[Tensor]]] = []
+        """A handle for pulling ``items``, and per key where its parts' answers go: the first output when
+        it is contiguous on the CPU or a GPU (:meth:`_sink`), else a new buffer; the handle's wait copies to the rest."""
+        copies: list[tuple[Tensor, list[Tensor]]] = []
         @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
-        def finish() -> None:  # in the caller's thread, once every part has arrived
-            for meta, buf, outs in copies:
+        def finish() -> None:  # in the caller's thread, once every part has arrived (on its stream, after the copies)
+            for buf, outs in copies:
                 for o in outs:
-                    o.copy_(buf.to_sparse(1) if o.is_sparse else buf, non_blocking=o.is_cuda)  # from pinned memory: not blocking
-                if any(o.is_cuda for o in outs):  # the pinned buffer is not written again before the copy is done
-                    self._pinned[meta.id] = (buf, torch.cuda.Event())  # type: ignore[no-untyped-call]
-                    self._pinned[meta.id][1].record()
+                    o.copy_(buf.to_sparse(1) if o.is_sparse else buf, non_blocking=o.is_cuda)
         for meta, outs in items:
             first = outs[0]
-            if not first.is_sparse and first.device.type == "cpu" and first.is_contiguous():
-                copies.append((meta, first, outs[1:]))
-                continue
-            if first.is_cuda and meta.id in self._pinned:  # taken: a pull of the key meanwhile makes its own
-                buf, copied = self._pinned.pop(meta.id)
-                copied.synchronize()
+            if not first.is_sparse and first.device.type in ("cpu", "cuda") and first.is_contiguous():
+                copies.append((first, outs[1:]))
+                if first.is_cuda:  # its copies wait for what the caller's stream has queued (may read it)
+                    self._stream(first.device, False).wait_stream(torch.cuda.current_stream(first.device))
             else:
-                buf = torch.empty(meta.shape, dtype=meta.dtype, pin_memory=first.is_cuda)
-            copies.append((meta, buf, outs))
-        return self._client.handle(finish), [buf for _, buf, _ in copies]
+                copies.append((torch.empty(meta.shape, dtype=meta.dtype), outs))
+        return self._client.handle(finish), [buf for buf, _ in copies]
+
+    def _sink(self, handle: Handle, meta: KeyMeta, buf: Tensor, p: Part) -> Sink:
+        """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, a copy on a side
+        stream (from the server's shared memory, page-locked here, without a stop) that ``handle.wait()``
+        orders the caller's stream after."""
+        piece = self._piece(meta, buf, p)
+        if not piece.is_cuda:
+            return piece
+        self._client.shared.pin_peers()
+        stream = self._stream(piece.device, False)
+
+        def copy(src: Tensor) -> None:
+            with torch.cuda.stream(stream):
+                piece.copy_(src.view(piece.shape), non_blocking=True)
+                handle.copies.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
+                handle.copies[-1].record(stream)
+            piece.record_stream(stream)
+        return copy
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()
         handle, bufs = self._sinks(items)
         for (meta, _), buf in zip(items, bufs):
             for p in self._parts[meta.id]:
-                self._queue_pull(handle, meta, p, self._piece(meta, buf, p), rescale=rescale)
+                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale=rescale)
         return self._done(handle, wait)
 
     def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None) -> None:

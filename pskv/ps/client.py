@@ -3,6 +3,7 @@ or PULL) and their answers (docs/DESIGN.md, "Threads of a worker")."""
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -53,7 +54,8 @@ class WorkerClient(Node):
         self._last_queued = 0.0
         self._dozing = True  # the I/O thread sleeps long (no rows queued lately): wake it for new ones
         self._queued: list[tuple[str, Message, Request]] = []  # for the scheduler, sent by the I/O thread
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the queued rows and the connections
+        self._sending = threading.Lock()  # held by the one thread that flushes
         self._thread: Optional[threading.Thread] = None
         self._stop = False
         self.replicas = config.replicas()
@@ -161,8 +163,12 @@ class WorkerClient(Node):
                     entry = (entry[0], None, None)  # acknowledged: nothing to copy
                 self._pending.setdefault((s, kind), []).append((row, frames, entry, ready))
                 self._pending_bytes[s] = self._pending_bytes.get(s, 0) + nbytes
-                if self._pending_bytes[s] >= self._batch_bytes:
-                    self.flush([s])
+            full = self._pending_bytes.get(server, 0) >= self._batch_bytes
+        if full and ready is not None:  # the I/O thread waits for the GPU's copy, not the caller (backward)
+            self._first_queued = -math.inf  # due now
+            self.van.wake()
+        elif full:
+            self.flush([server])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
         """Send the queued rows of ``servers`` (all by default): a PUSH, then a PULL message each; ``soon``:
@@ -174,15 +180,18 @@ class WorkerClient(Node):
                 if self._dozing:
                     self.van.wake()
             return
-        with self._lock:
-            if servers is None:
-                self._first_queued = None
-            for server, kind in sorted(k for k in self._pending if servers is None or k[0] in servers):  # PUSH before PULL
-                batch = self._pending.pop((server, kind))
-                self._pending_bytes.pop(server, None)
+        with self._sending:  # one flush at a time: messages leave in the order their rows were queued
+            with self._lock:
+                if servers is None:
+                    self._first_queued = None
+                keys = sorted(k for k in self._pending if servers is None or k[0] in servers)  # PUSH before PULL
+                batches = [(k, self._pending.pop(k)) for k in keys]
+                for server, _ in keys:
+                    self._pending_bytes.pop(server, None)
+            for (server, kind), batch in batches:
                 for q in batch:
                     if q[3] is not None:
-                        q[3].synchronize()  # a copy from a GPU into the bytes to send
+                        q[3].synchronize()  # a copy from a GPU into the bytes to send (rows may be queued meanwhile)
                 frames = [f for q in batch for f in q[1]]
                 table = (PUSH if kind == Type.PUSH else PULL).pack([q[0] for q in batch])
                 msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
@@ -190,7 +199,7 @@ class WorkerClient(Node):
                 req.rows = [(q[0], q[1]) for q in batch] if self.replicas else None  # sent again on a failover
                 if server in self.shm_servers:  # answers may be slots of its shared memory
                     pid = int(self.servers[server]["pid"])
-                    req.shared = lambda row, dtype, shape, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype, shape)
+                    req.shared = lambda row, dtype, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
                 t0 = timeline.now()
                 waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
                 timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
@@ -280,6 +289,7 @@ class WorkerClient(Node):
             self._thread.join(timeout=15.0)
             with self._receiving:
                 self.data.close(linger=2.0)
+                self.shared.close()
 
     def _loop(self) -> None:
         """The I/O thread: the scheduler's connection, heartbeats, deadlines, rows queued without waiting."""

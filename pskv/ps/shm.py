@@ -39,13 +39,6 @@ class Arena:
         HEADER.pack_into(self.mm, 0, MAGIC, self.token)
         self.used = ALIGN
 
-    def pin(self) -> None:
-        """Page-lock the arena for CUDA, so copies between it and a GPU run asynchronously."""
-        if not getattr(self, "pinned", False):
-            whole = torch.frombuffer(self.mm, dtype=torch.uint8)
-            torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), self.size, 0)  # type: ignore[no-untyped-call]
-            self.pinned = True
-
     def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.frombuffer(self.mm, dtype=dtype, count=numel, offset=offset) if numel else torch.empty(0, dtype=dtype)
 
@@ -58,6 +51,30 @@ class Shared:
         self.arenas: list[Arena] = []
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._views: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.for_gpus = False  # peers' arenas are page-locked as they are mapped (pulls into GPU tensors)
+        self._pins: dict[int, tuple[mmap.mmap, bool]] = {}  # id -> a mapping we page-locked, whether CUDA took it
+
+    def pin(self, mm: mmap.mmap) -> None:
+        """Page-lock a mapping for CUDA (once), so copies between it and a GPU run asynchronously."""
+        if id(mm) not in self._pins:
+            ptr = torch.frombuffer(mm, dtype=torch.uint8).data_ptr()
+            self._pins[id(mm)] = (mm, int(torch.cuda.cudart().cudaHostRegister(ptr, len(mm), 0)) == 0)  # type: ignore[no-untyped-call]
+
+    def pin_peers(self) -> None:
+        """Page-lock the peers' arenas mapped so far and from now on: answers go from them to a GPU directly."""
+        if not self.for_gpus:
+            self.for_gpus = True
+            for mm in self._maps.values():
+                self.pin(mm)
+
+    def close(self) -> None:
+        """Unlock what :meth:`pin` locked: CUDA would refuse the addresses when later arenas are mapped there."""
+        if self._pins:
+            torch.cuda.synchronize()  # (no copy from them is in flight)
+        for mm, ok in self._pins.values():
+            if ok:
+                torch.cuda.cudart().cudaHostUnregister(torch.frombuffer(mm, dtype=torch.uint8).data_ptr())  # type: ignore[no-untyped-call]
+        self._pins.clear()
 
     def slot(self, nbytes: int) -> tuple[Arena, int]:
         """A fresh slot of ``nbytes`` in one of our arenas, and its offset."""
@@ -100,14 +117,16 @@ class Shared:
             if mm is None or HEADER.unpack_from(mm, 0)[0] != MAGIC:
                 raise ProtocolError(f"{path} is not a pskv arena")
             self._maps[pid, fd] = mm
+            if self.for_gpus:
+                self.pin(mm)
         if token is not None and HEADER.unpack_from(mm, 0)[1] != token:
             raise ProtocolError(f"shared memory of pid {pid} fd {fd} has another token")
         return mm
 
-    def tensor(self, pid: int, fd: int, offset: int, nbytes: int, dtype: torch.dtype, shape: Optional[torch.Size] = None) -> torch.Tensor:
-        """A tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked),
-        1-D or viewed in ``shape``; kept, since slots are used again every round."""
-        key = (pid, fd, offset, nbytes, dtype, shape)
+    def tensor(self, pid: int, fd: int, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """A 1-D tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked);
+        kept, since slots are used again every round."""
+        key = (pid, fd, offset, nbytes, dtype)
         view = self._views.get(key)
         if view is None:
             mm = self._map(pid, fd)
@@ -115,5 +134,5 @@ class Shared:
             if offset < HEADER.size or nbytes < 0 or offset + nbytes > len(mm) or offset % size or nbytes % size:
                 raise ProtocolError(f"shared-memory slot [{offset}, {offset + nbytes}) is outside pid {pid}'s arena of {len(mm)} bytes")
             view = torch.frombuffer(mm, dtype=dtype, count=nbytes // size, offset=offset) if nbytes else torch.empty(0, dtype=dtype)
-            self._views[key] = view = view if shape is None else view.view(shape)
+            self._views[key] = view
         return view

@@ -34,6 +34,7 @@ class Handle:
         self._done = tracker is None
         self.error: Optional[BaseException] = None
         self.sent: list[Callable[[float], bool]] = []  # waits for zmq to be done with this call's pushed bytes
+        self.copies: list[Any] = []  # CUDA events of its answers' copies to a GPU: the caller's stream waits for them
 
     def done(self) -> bool:
         """True once every part is done (or the call failed); handles the answers that arrived."""
@@ -59,6 +60,8 @@ class Handle:
             _raise(self.error)
         if tracker is not None:
             tracker.raise_failure()  # the job's fatal error or a failed push's, if any
+        for copied in self.copies:
+            copied.wait()
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
@@ -82,7 +85,7 @@ class Request:
         self.entries: list[Optional[Entry]] = list(entries)
         self.remaining = len(entries)
         self.on_reply = on_reply  # a whole-message request: runs with its answer
-        self.shared: Optional[Callable[[Any, Any, Any], Any]] = None  # (ANSWER row, dtype, shape) -> a part in the server's shared memory
+        self.shared: Optional[Callable[[Any, Any], Any]] = None  # (ANSWER row, dtype) -> a part in the server's shared memory
         self.rows: Optional[list[tuple[Any, Any]]] = None  # a data request's (row, frames), kept to send again (replicas)
 
 
@@ -133,11 +136,9 @@ class Tracker:
                 if entry is None:
                     continue
                 handle, sink, dtype = entry
-                if callable(sink):
-                    sink(frame_tensor(next(frames), dtype))
-                elif sink is not None:  # a tensor: the part, viewed in its shape, is copied into it
-                    shared = row.fd >= 0 and req.shared is not None
-                    sink.copy_(req.shared(row, dtype, sink.shape) if shared else frame_tensor(next(frames), dtype).view(sink.shape))  # type: ignore[misc]
+                if sink is not None:  # a function of the part, or a tensor it is copied into
+                    src = req.shared(row, dtype) if row.fd >= 0 and req.shared is not None else frame_tensor(next(frames), dtype)
+                    sink(src) if callable(sink) else sink.copy_(src.view(sink.shape))
                 req.entries[row.entry] = None
                 req.remaining -= 1
                 handle._settle()
