@@ -23,14 +23,22 @@ class _Distributed:
 
     _pskv: Trainer
     _pskv_op: str
+    _pskv_skip = False
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Sum this step's gradients over the workers (those sent during backward are waited for),
-        average them unless ``op="sum"``, then run the wrapped optimizer's step."""
+        """:meth:`synchronize` (unless inside :meth:`skip_synchronize`), then the wrapped optimizer's step."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._pskv_skip:
+            self.synchronize()
+        super().step()  # type: ignore[misc]
+        return loss
+
+    def synchronize(self) -> None:
+        """Sum this step's gradients over the workers now (those sent during backward are waited for),
+        and average them unless ``op="sum"``: every worker's ``.grad`` holds the same values."""
         self._pskv.allreduce_grads(ignore_stale_grad=True)
         if self._pskv_op == "average" and self._pskv.kvstore is not None:
             with torch.no_grad():
@@ -38,18 +46,22 @@ class _Distributed:
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.div_(self._pskv.kvstore.num_workers)
-        super().step()  # type: ignore[misc]
-        return loss
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step`` inside uses the gradients :meth:`synchronize` made (``torch.amp.GradScaler``:
+        synchronize, ``scaler.unscale_(opt)``, then ``with opt.skip_synchronize(): scaler.step(opt)``)."""
+        self._pskv_skip = True
+        try:
+            yield
+        finally:
+            self._pskv_skip = False
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate their gradients here; the next one outside sends the sums."""
         with self._pskv.no_sync():
             yield
-
-    def synchronize(self) -> None:
-        """Wait for the exchanges still in flight."""
-        self._pskv.synchronize()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStore], op: str = "average", overlap: Optional[bool] = None) -> Any:

@@ -9,6 +9,7 @@ it trains in this process alone. The batch size is per worker, as in the tutoria
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -16,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -54,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--image-size", type=int, default=16, help="%(default)s")
     add("--devices", default="cpu", help="this worker's devices, e.g. cuda:0,cuda:1 (%(default)s)")
     add("--seed", type=int, default=0, help="%(default)s")
+    add("--amp", choices=["bf16", "fp16"], help="mixed precision: bf16 (gradients travel as bf16), or fp16 with a loss scale")
+    add("--tensorboard", type=Path, help="write TensorBoard curves here (worker 0; needs the tensorboard package)")
     add("--threads", type=int, help="torch threads per worker (default: OMP_NUM_THREADS or all cores)")
     add("--checkpoint-dir", type=Path, help="after each epoch, save weights, optimizer states and progress here")
     add("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir, if any")
@@ -100,7 +103,12 @@ def run_worker(args: argparse.Namespace) -> int:
     elif args.lr_schedule == "cosine":  # warm up for an epoch (at most a tenth of the run), then decay to 0
         warmup = min(steps_per_epoch, steps // 10)
         hyper["lr_scheduler"] = {"name": "cosine", "max_update": steps, "final_lr": 0.0, "warmup_steps": warmup}
-    trainer = Trainer([net.parameters() for net in nets], "sgd", hyper, kvstore=kv)
+    # --amp: forward in bf16/fp16, fp32 weights; bf16 gradients travel as bf16, fp16 ones are scaled (LossScale)
+    dist, amp = kv.type.startswith("dist"), {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or "")
+    scale = LossScale() if args.amp == "fp16" else None
+    trainer = Trainer([net.parameters() for net in nets], "sgd", hyper, kvstore=kv, update_on_kvstore=False if scale else None,
+                      compression_params={"type": "bf16"} if args.amp == "bf16" and dist else None)  # fmt: skip
+    board: Any = tensorboard(args.tensorboard) if rank == 0 and args.tensorboard else None
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
     if resumed:
         checkpoint.load_states(resumed, trainer)
@@ -129,18 +137,25 @@ def run_worker(args: argparse.Namespace) -> int:
             total=math.ceil(len(sampler) / args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}",
             file=sys.stderr, ncols=100, disable=rank != 0 or args.no_progress,
         )  # fmt: skip
-        t0 = time.perf_counter()
-        for x, y in bar:
+        t0, exchange = time.perf_counter(), 0.0
+        for i, (x, y) in enumerate(bar):
+            t1, before = time.perf_counter(), (loss_sum, correct)
             for net, xi, yi in zip(nets, *(split_and_load(t, devices, even_split=False) for t in (x, y))):
                 net.zero_grad()
-                out = net(xi)
-                loss = loss_fn(out, yi)
-                loss.backward()
+                with torch.autocast(xi.device.type, amp or torch.float32, enabled=amp is not None):
+                    out = net(xi)
+                    loss = loss_fn(out.float(), yi)
+                (loss * scale.value if scale else loss).backward()
                 loss_sum += loss.item()
                 correct += int((out.argmax(1) == yi).sum())
-            trainer.step(len(x))
-            seen += len(x)
+            t2 = time.perf_counter()
+            scale.step(trainer, nets[0], len(x)) if scale else trainer.step(len(x))
+            t3, seen = time.perf_counter(), seen + len(x)
+            exchange += t3 - t2
             bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
+            for name, value in (dict(loss=(loss_sum - before[0]) / len(x), accuracy=(correct - before[1]) / len(x), lr=trainer.learning_rate,
+                                     samples_per_s=len(x) / (t3 - t1), exchange_share=(t3 - t2) / (t3 - t1)) if board else {}).items():  # fmt: skip
+                board.add_scalar(f"step/{name}", value, epoch * steps_per_epoch + i)  # this worker's batch
         seconds = time.perf_counter() - t0
 
         # 5. Evaluate this worker's share of the test set, then gather everyone's numbers
@@ -166,8 +181,12 @@ def run_worker(args: argparse.Namespace) -> int:
             "samples_per_sec_per_worker": seen / seconds,
             "lr": trainer.learning_rate,
             "workers": len(everyone),
+            "exchange_share": exchange / seconds,  # of worker 0's epoch: the time in trainer.step
+            **({"loss_scale": scale.value} if scale else {}),
         }
         history.append(row)
+        for name, value in row.items() if board else ():
+            board.add_scalar(f"epoch/{name}", value, epoch + 1)
         if rank == 0:
             print(f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, "
                   f"test acc {row['test_acc']:.4f}, time {row['seconds']:.1f} s, "
@@ -194,8 +213,36 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.plot:
             title = f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})"
             plot(history, args.plot, title)
+    if board:
+        board.close()
     kv.close()
     return 0
+
+
+class LossScale:
+    """fp16 loss scaling through the store (torch's GradScaler rules): the summed gradients, the same
+    on every worker, are checked; a step with Inf/NaN is skipped everywhere and halves the scale,
+    2000 good steps double it. The update divides by the scale (``Trainer.update``'s batch size)."""
+
+    value, good = 2.0**16, 0
+
+    def step(self, trainer: Trainer, net: nn.Module, batch: int) -> None:
+        trainer.allreduce_grads()
+        if bool(torch.stack([p.grad.isfinite().all() for p in net.parameters() if p.grad is not None]).all()):
+            trainer.update(batch * self.value)
+            self.good = (self.good + 1) % 2000
+            self.value *= 1 if self.good else 2
+        else:
+            self.value, self.good = self.value / 2, 0
+
+
+def tensorboard(path: Optional[Path]) -> Any:
+    """A writer of TensorBoard event files into ``path`` (None: only check that tensorboard is there)."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise PSKVError("--tensorboard needs the tensorboard package: pip install tensorboard (or 'pskv[tensorboard]')")
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(str(path)) if path else None
 
 
 def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
@@ -229,6 +276,11 @@ def main(argv: Sequence[str]) -> int:
             raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
         if args.resume and not args.checkpoint_dir:
             raise PSKVError("--resume needs --checkpoint-dir (where the checkpoints are)")
+        tensorboard(None) if args.tensorboard else None  # missing: said before anything starts
+        if args.amp == "fp16":  # an fp16 step may overflow: the servers sum it as it is, the workers skip it
+            if args.kv_store == "dist_async":
+                raise PSKVError("--amp fp16 checks the summed gradients before updating; dist_async updates on the servers")
+            os.environ.setdefault("PSKV_NONFINITE", "allow")
         if not dist and (args.workers or 1) != 1:
             raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
         if os.environ.get("DMLC_ROLE") or not dist:

@@ -3,6 +3,7 @@ worker, the gradients summed by the servers; checked against one process trainin
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import pytest
@@ -118,3 +119,52 @@ def test_bad_arguments_are_named() -> None:
         pskv.broadcast_parameters(net.parameters(), kv, root_rank=1)
     with pytest.raises(pskv.TrainerError, match="at least one"):
         pskv.broadcast_parameters([], kv)
+
+
+
+def _scaled(make: Callable[[nn.Module], Any], one_step: Callable[..., None], overflow: Callable[[int], bool]) -> tuple[list[torch.Tensor], list[float]]:
+    """fp16-style loss scaling with torch's GradScaler: ``one_step(opt, net, scaler, step, inf)`` runs
+    a step's forward, backward and optimizer step (``inf``: this step's loss overflows); the weights
+    and the scale after each step."""
+    net = _net()
+    opt, scaler, scales = make(net), torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2), []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        one_step(opt, net, scaler, step, overflow(step))
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return [p.detach().clone() for p in net.parameters()], scales
+
+
+def test_grad_scaler_skips_the_same_steps_on_every_worker(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 1's loss overflows at step 2: the sums, the same everywhere, hold Inf, so every worker's
+    GradScaler skips that step and halves its scale (Horovod's order: synchronize, unscale_, then
+    step inside skip_synchronize). Checked against one process on all batches."""
+    monkeypatch.setenv("PSKV_NONFINITE", "allow")  # (the servers sum an overflowed gradient as it is)
+    inf = 2
+
+    def sgd(net: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+
+    def worker(kv: KVStore) -> tuple[list[torch.Tensor], list[float]]:
+        def one_step(dopt: Any, net: nn.Module, scaler: Any, step: int, overflow: bool) -> None:
+            x, y = _batch(step, kv.rank)
+            scaler.scale(nn.functional.cross_entropy(net(x), y) * (math.inf if overflow else 1.0)).backward()
+            dopt.synchronize()
+            scaler.unscale_(dopt)
+            with dopt.skip_synchronize():
+                scaler.step(dopt)
+
+        return _scaled(lambda net: pskv.DistributedOptimizer(sgd(net), kv), one_step, lambda s: s == inf and kv.rank == 1)
+
+    def reference(opt: Any, net: nn.Module, scaler: Any, step: int, overflow: bool) -> None:
+        losses = [nn.functional.cross_entropy(net(x), y) for x, y in (_batch(step, r) for r in range(2))]
+        scaler.scale((losses[0] + losses[1] * (math.inf if overflow else 1.0)) / 2).backward()
+        scaler.step(opt)
+
+    (w0, s0), (w1, s1) = inproc_job(2, 2).run_workers(worker)
+    want, scales = _scaled(sgd, reference, lambda s: s == inf)
+    assert s0 == s1 == scales and scales[inf] == scales[inf - 1] / 2, (s0, s1, scales)
+    for a, b, w in zip(w0, w1, want):
+        assert torch.equal(a, b), "the workers' weights differ"
+        assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
