@@ -102,9 +102,6 @@ class Trainer:
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
         self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
         self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
-        self._bucket: list[int] = []  # gradients ready, sent together once they fill a chunk (PSKV_CHUNK_BYTES)
-        self._bucket_cap = max(1, getattr(kv, "_chunk", 0))
-        self._sizes = [t.numel() * t.element_size() for t in self._reps[0]]
         self._syncing = True
         dist = kv is not None and kv.type.startswith("dist")
         if overlap and not dist:
@@ -150,28 +147,14 @@ class Trainer:
         grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
         if self._ready[i] < len(self._reps) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
             return  # a sparse sum comes back by pull in step (pushpull would not fill a sparse grad)
-        self._pushed[i] = True  # till the end of step: a second gradient before then is refused
-        self._bucket.append(i)
-        if len(self._bucket) == 1:  # what is left goes when this backward ends (as DDP's last bucket)
-            torch.autograd.Variable._execution_engine.queue_callback(self._send_bucket)
-        if sum(self._sizes[j] for j in self._bucket) >= self._bucket_cap:
-            self._send_bucket()
-
-    def _send_bucket(self) -> None:
-        """Push the gradients of the bucket in one call (a call costs more than a key), without waiting;
-        with pushpull the sums come back into the gradients."""
-        which, self._bucket = self._bucket, []
-        if not which:
-            return
         assert self._kv is not None
         t0 = timeline.now()
-        keys, grads = [self._keys[i] for i in which], [[rep[i].grad for rep in self._reps] for i in which]
-        if self._update_on_kvstore:
-            self._kv.push(keys, grads, priority=-which[0], wait=False, _held=self._held)
+        self._pushed[i] = True  # till the end of step: a second gradient before then is refused
+        if self._update_on_kvstore:  # without waiting; with pushpull the sums come back into grads
+            self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
         else:
-            handle = cast(Handle, self._kv.pushpull(keys, grads, priority=-which[0], wait=False))
-            self._inflight.update(dict.fromkeys(which, handle))
-        timeline.span(f"push {keys[0]}..{keys[-1]}", t0, keys=len(keys))
+            self._inflight[i] = cast(Handle, self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False))
+        timeline.span(f"push {self._keys[i]}", t0)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -190,7 +173,6 @@ class Trainer:
     def synchronize(self) -> None:
         """Wait for every exchange still in flight: the weights are then the step's (or the
         summed gradients, with ``update_on_kvstore=False``)."""
-        self._send_bucket()
         while self._inflight:
             self._inflight.pop(next(iter(self._inflight))).wait()
 
@@ -250,17 +232,6 @@ class Trainer:
                 grads[-1].append(torch.zeros_like(rep[i]) if g is None else g)
         return which, grads
 
-    def _chunks(self) -> Iterator[list[int]]:
-        """The key indexes in order, in runs of about ``PSKV_CHUNK_BYTES`` of weights."""
-        run: list[int] = []
-        for i in range(len(self._sizes)):
-            run.append(i)
-            if sum(self._sizes[j] for j in run) >= self._bucket_cap:
-                yield run
-                run = []
-        if run:
-            yield run
-
     def _next_step(self) -> None:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
@@ -276,16 +247,14 @@ class Trainer:
             self.update(batch_size)  # MXNet's step: allreduce_grads, then update
             return
         assert self._kv is not None
-        self._send_bucket()
         rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         if rest:  # the store's calls run under torch.no_grad()
             self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
-        if self._overlap:  # pulls of a chunk's worth of keys, in order: a layer's forward waits only for its own
-            for which in self._chunks():
-                handle = self._kv.pull([self._keys[i] for i in which], [[rep[i] for rep in self._reps] for i in which],
-                                       priority=-which[0], wait=False, _rescale=rescale)  # fmt: skip
-                self._inflight.update(dict.fromkeys(which, cast(Handle, handle)))
+        if self._overlap:  # a pull per key: each layer's forward waits only for its own
+            for i, (key, *outs) in enumerate(zip(self._keys, *self._reps)):
+                handle = self._kv.pull(key, outs, priority=-i, wait=False, _rescale=rescale)
+                self._inflight[i] = cast(Handle, handle)
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
@@ -296,7 +265,6 @@ class Trainer:
         """Replace every replica's gradient by the sum over devices and workers."""
         if self._update_on_kvstore:
             raise TrainerError("allreduce_grads() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
-        self._send_bucket()
         rest, grads = self._unsent(ignore_stale_grad)
         with torch.no_grad():
             if self._kv is not None and rest:
