@@ -1,0 +1,34 @@
+#!/bin/bash
+# The GPU checks in one run (benchmarks/RESULTS.md section 9): the CUDA tests, the training-step table,
+# pskv train with --amp on the GPU, one and two replicas in one process, the timeline picture.
+#     OUT=/tmp/gpu bash benchmarks/gpu_check.sh          # from the repository root, on a machine with CUDA
+# DEV=cpu BATCH=4 STEPS=1 EPOCHS=1 checks the script itself on a machine without one.
+export PYTHONUNBUFFERED=1
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/pyzmq*.whl  # (a machine without pyzmq: its wheel in .whl/)
+export PYTHONPATH=/tmp/site:$PWD OUT=${OUT:-/tmp/gpu}
+mkdir -p $OUT
+DEV=${DEV:-cuda}; B=${BATCH:-128}; S=${STEPS:-30}; E=${EPOCHS:-2}
+R=/tmp/runs; mkdir -p $R
+exec > >(tee $OUT/log.txt) 2>&1
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+echo "== CUDA tests"
+timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short tests/unit/test_cuda.py tests/unit/test_kv_semantics.py::test_device_store_on_cuda 2>&1 | tail -15
+echo "== train_step"
+timeout 120 python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
+echo "== pskv train --amp, 2 workers x 2 servers, one device each"
+for amp in none bf16 fp16; do
+  a=$([ $amp = none ] || echo "--amp $amp")
+  echo "-- $amp"; timeout 60 python3 -m pskv train --devices $DEV --epochs $E $a --no-progress --report $R/amp_$amp.json 2>&1 | grep -E "^epoch|^done|rror" | tail -4
+done
+echo "== devices in one process (local store), batch 64 per device"
+for n in 1 2; do
+  d=$(python3 -c "print(','.join(['$DEV:0' if '$DEV'=='cuda' else '$DEV']*$n))")
+  echo "-- $d"; timeout 45 python3 -m pskv train --kv-store local --devices $d --batch-size $((64*n)) --epochs $E --no-progress --report $R/dev_$n.json 2>&1 | grep -E "^epoch|^done|rror" | tail -4
+done
+python3 -c "
+import json, glob, os
+json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('$R/*.json'))}, open('$OUT/gpu_runs.json', 'w'), indent=1)"
+echo "== timeline"
+timeout 60 python3 benchmarks/timeline_picture.py --device $DEV --batch $B --steps 4 --out $R/timeline_step_cuda.png 2>&1 | tail -2
+cp $R/timeline_step_cuda.png $OUT/ 2>/dev/null
+ls -la $OUT
