@@ -23,6 +23,8 @@ class _Distributed:
 
     _pskv: Trainer
     _pskv_op: str
+    _pskv_params: list[Tensor]
+    _pskv_used: Any  # the store's key for how many workers had each parameter's gradient
     _pskv_skip = False
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -38,14 +40,19 @@ class _Distributed:
 
     def synchronize(self) -> None:
         """Sum this step's gradients over the workers now (those sent during backward are waited for),
-        and average them unless ``op="sum"``: every worker's ``.grad`` holds the same values."""
+        and average them unless ``op="sum"``: every worker's ``.grad`` holds the same values. A parameter
+        no worker has a gradient for keeps none (the optimizer leaves it, as with DDP)."""
+        used = torch.tensor([p.grad is not None for p in self._pskv_params], dtype=torch.float32)
         self._pskv.allreduce_grads(ignore_stale_grad=True)
-        if self._pskv_op == "average" and self._pskv.kvstore is not None:
-            with torch.no_grad():
-                for group in self.param_groups:  # type: ignore[attr-defined]
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.div_(self._pskv.kvstore.num_workers)
+        kv = self._pskv.kvstore
+        if kv is not None and self._pskv_used is not None:
+            kv.pushpull(self._pskv_used, used)
+        with torch.no_grad():
+            for p, n in zip(self._pskv_params, used.tolist()):
+                if n == 0:
+                    p.grad = None
+                elif self._pskv_op == "average" and kv is not None:
+                    p.grad.div_(kv.num_workers)  # type: ignore[union-attr]
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -70,7 +77,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     The result is an instance of the optimizer's own class (``isinstance`` holds, so LR schedulers
     take it) that shares its state and ``param_groups``. Gradients leave during backward where the
     Trainer would overlap (``overlap=None``; docs/SPEC.md, "Overlap"); a parameter without a gradient
-    on a worker counts as zeros there. Making it sends worker 0's weights to every worker, as ``broadcast_parameters``."""
+    on a worker counts as zeros there, and keeps none where no worker has one. Making it sends worker 0's weights to every worker, as ``broadcast_parameters``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TrainerError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if op not in ("average", "sum"):
@@ -80,7 +87,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
-    wrapped._pskv_op = op
+    wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
+    wrapped._pskv_used = _fresh_keys(store, 1)[0] if store is not None else None
+    if store is not None:
+        store.init(wrapped._pskv_used, torch.zeros(len(params)))
     return wrapped
 
 

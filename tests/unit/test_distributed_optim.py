@@ -168,3 +168,41 @@ def test_grad_scaler_skips_the_same_steps_on_every_worker(inproc_job: Job, monke
     for a, b, w in zip(w0, w1, want):
         assert torch.equal(a, b), "the workers' weights differ"
         assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
+
+
+class _TwoHeads(nn.Module):
+    """Head ``b`` at steps 2 and 5 on every worker (``a`` unused by all), and at step 1 on worker 1 only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(6, 16), nn.Linear(16, 3), nn.Linear(16, 3)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+
+    def forward(self, x: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+        return (self.b if step % 3 == 2 or (step, rank) == (1, 1) else self.a)(torch.tanh(self.body(x)))
+
+
+def test_a_parameter_no_worker_used_keeps_no_gradient(inproc_job: Job) -> None:
+    """AdamW with weight decay moves a parameter that has a gradient, even a zero one; one that no
+    worker used this step has none and stays, as in one process (and with DDP)."""
+
+    def train(kv: Any, ranks: list[int]) -> list[torch.Tensor]:
+        net = _TwoHeads()
+        opt = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.5)
+        if kv is not None:
+            opt = pskv.DistributedOptimizer(opt, kv)
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            losses = [nn.functional.cross_entropy(net(*_batch(step, r)[:1], step, r), _batch(step, r)[1]) for r in ranks]
+            (sum(losses) / len(losses)).backward()
+            opt.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    got = inproc_job(2, 1).run_workers(lambda kv: train(kv, [kv.rank]))
+    want = train(None, [0, 1])
+    for a, b, w in zip(got[0], got[1], want):
+        assert torch.equal(a, b), "the workers' weights differ"
+        assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
