@@ -291,7 +291,8 @@ class Server(Node):
         if bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all()):  # a sum can overflow alone
             return grad
         if self.nonfinite == "error":
-            raise NonFiniteError(f"worker {rank} pushed NaN or Inf to {p} ({self.name}); PSKV_NONFINITE=skip pushes such gradients as zeros")
+            raise NonFiniteError(f"worker {rank} pushed NaN or Inf to {p} ({self.name}); PSKV_NONFINITE=skip pushes such gradients "
+                                 "as zeros, =allow as they are (fp16 loss scaling needs it: pskv launch --env PSKV_NONFINITE:allow)")
         self.skipped += 1
         if self.skipped & (self.skipped - 1) == 0:  # the 1st, 2nd, 4th, ...
             print(f"pskv {self.name}: worker {rank} pushed NaN or Inf to {p}; pushed as zeros ({self.skipped} so far)", file=sys.stderr, flush=True)

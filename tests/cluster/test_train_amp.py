@@ -62,3 +62,13 @@ def test_bad_amp_and_tensorboard_arguments_are_named(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     assert train.main([*TRAIN, "--tensorboard", "tb"]) == 2
     assert "--tensorboard needs the tensorboard package: pip install tensorboard" in capsys.readouterr().err
+
+
+def test_fp16_under_pskv_launch_without_allow_says_what_to_set(tmp_path: Path) -> None:
+    """The servers of a launched job keep PSKV_NONFINITE=error unless told: the first overflowed fp16
+    step fails the job with an error that names the setting (with it, the job trains: the test above)."""
+    argv = [sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "1", "--", sys.executable, "-m", "pskv", "train",
+            *TRAIN, "--amp", "fp16"]  # fmt: skip
+    res = run(argv, timeout=200, env={"PSKV_NONFINITE": "error"})  # (the default, whatever this shell has)
+    assert res.code != 0, res
+    assert "pushed NaN or Inf" in res.stderr + res.stdout and "pskv launch --env PSKV_NONFINITE:allow" in res.stderr + res.stdout, res
