@@ -43,10 +43,11 @@ class _Distributed:
         and average them unless ``op="sum"``: every worker's ``.grad`` holds the same values. A parameter
         no worker has a gradient for keeps none (the optimizer leaves it, as with DDP)."""
         used = torch.tensor([p.grad is not None for p in self._pskv_params], dtype=torch.float32)
-        self._pskv.allreduce_grads(ignore_stale_grad=True)
         kv = self._pskv.kvstore
-        if kv is not None and self._pskv_used is not None:
-            kv.pushpull(self._pskv_used, used)
+        counted = kv.pushpull(self._pskv_used, used, wait=False) if kv is not None else None  # beside the gradients
+        self._pskv.allreduce_grads(ignore_stale_grad=True)
+        if counted is not None:
+            counted.wait()
         with torch.no_grad():
             for p, n in zip(self._pskv_params, used.tolist()):
                 if n == 0:
@@ -88,8 +89,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
-    wrapped._pskv_used = _fresh_keys(store, 1)[0] if store is not None else None
     if store is not None:
+        wrapped._pskv_used = _fresh_keys(store, 1)[0]
         store.init(wrapped._pskv_used, torch.zeros(len(params)))
     return wrapped
 

@@ -276,7 +276,8 @@ def main(argv: Sequence[str]) -> int:
             raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
         if args.resume and not args.checkpoint_dir:
             raise PSKVError("--resume needs --checkpoint-dir (where the checkpoints are)")
-        tensorboard(None) if args.tensorboard else None  # missing: said before anything starts
+        if args.tensorboard:
+            tensorboard(None)  # missing: said before anything starts
         if args.amp == "fp16":  # an fp16 step may overflow: the servers sum it as it is, the workers skip it
             if args.kv_store == "dist_async":
                 raise PSKVError("--amp fp16 checks the summed gradients before updating; dist_async updates on the servers")

@@ -244,6 +244,7 @@ class DistStore(KVStore):
                 copies.append((first, outs[1:]))
                 if first.is_cuda:  # its copies wait for what the caller's stream has queued (may read it)
                     self._stream(first.device, False).wait_stream(torch.cuda.current_stream(first.device))
+                    self._client.shared.pin_peers()
             else:
                 copies.append((torch.empty(meta.shape, dtype=meta.dtype), outs))
         return self._client.handle(finish), [buf for buf, _ in copies]
@@ -255,7 +256,6 @@ class DistStore(KVStore):
         piece = self._piece(meta, buf, p)
         if not piece.is_cuda:
             return piece
-        self._client.shared.pin_peers()
         stream = self._stream(piece.device, False)
 
         def copy(src: Tensor) -> None:
