@@ -24,8 +24,7 @@ _LAUNCH = "start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`
 
 
 def _int(environ: Mapping[str, str], name: str, low: int, required: bool = True) -> Optional[int]:
-    raw = environ.get(name, "").strip()
-    if not raw:
+    if not (raw := environ.get(name, "").strip()):
         if required:
             raise ClusterError(f"{name} is not set: a dist store needs the job's environment ({_LAUNCH})")
         return None
@@ -60,8 +59,7 @@ class JobEnv:
         if role not in ROLES:
             shown = f"={role!r}" if role else " is not set"
             raise ClusterError(f"DMLC_ROLE{shown}; it must be one of {', '.join(ROLES)} ({_LAUNCH})")
-        uri = env.get("DMLC_PS_ROOT_URI", "").strip()
-        if not uri:
+        if not (uri := env.get("DMLC_PS_ROOT_URI", "").strip()):
             raise ClusterError("DMLC_PS_ROOT_URI (the scheduler's address) is not set")
         port = 0 if uri.startswith("inproc://") else _int(env, "DMLC_PS_ROOT_PORT", 0)
         workers, servers = _int(env, "DMLC_NUM_WORKER", 1), _int(env, "DMLC_NUM_SERVER", 0)
@@ -180,11 +178,7 @@ class Node:
         wait = config.start_timeout()
         until = time.monotonic() + wait
         early: list[Received] = []
-        while True:
-            left = until - time.monotonic()
-            if left <= 0:
-                missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
-                raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
+        while (left := until - time.monotonic()) > 0:
             for peer, msg in self.van.recv(min(left, 0.5)):
                 if isinstance(msg, PeerGone):
                     raise self.lost(peer)
@@ -201,6 +195,8 @@ class Node:
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])
                     self.last_heard = time.monotonic()
                     return early
+        missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
+        raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
 
     @property
     def name(self) -> str:
@@ -226,8 +222,7 @@ class Node:
 
 def watch_launcher(van: Van) -> None:
     """Stop when ``pskv launch`` is gone (``PSKV_LIFELINE``), as its processes' parent pipe ends."""
-    fd = config.lifeline()
-    if fd is not None:
+    if (fd := config.lifeline()) is not None:
         van.watch_pipe(fd, f"launcher (pid {os.getppid()})")
 
 

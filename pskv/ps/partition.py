@@ -44,12 +44,8 @@ def place(key: int, numel: int, num_servers: int, bound: int, row_numel: int = 1
         slices = [(server_of(key, num_servers), 0, numel)]
     else:
         row_numel = max(1, row_numel)
-        rows = numel // row_numel
-        slices = []
-        for s in range(num_servers):
-            lo, hi = rows * s // num_servers, rows * (s + 1) // num_servers
-            if hi > lo:
-                slices.append((s, lo * row_numel, hi * row_numel))
+        cuts = [numel // row_numel * s // num_servers * row_numel for s in range(num_servers + 1)]  # whole rows each
+        slices = [(s, cuts[s], cuts[s + 1]) for s in range(num_servers) if cuts[s + 1] > cuts[s]]
     parts: list[Part] = []
     for server, start, stop in slices:
         step = max(row_numel, chunk // row_numel * row_numel) if chunk else max(stop - start, 1)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional, TypeVar
 
 import torch
@@ -31,23 +31,15 @@ PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
 
 @dataclass(eq=False)
 class Answer:
-    """What to send for one entry of a request."""
+    """One entry of a request: kept while it waits for its round or its value, then what to send for it."""
 
     req: Any  # who asked: the server's handle, opaque here
     entry: int = -1
+    round: int = 0  # pulls and merge-acknowledgements: the round they wait for
+    rows: Optional[Tensor] = None  # pulls of some rows only
     value: Optional[Tensor] = None  # a pull's data
     part: Optional[Part] = None  # set when ``value`` is ``part.value`` itself (no copy was made)
     error: Optional[PSKVError] = None
-
-
-@dataclass(eq=False)
-class Waiting:
-    """An entry of a request kept until its round or its value comes."""
-
-    req: Any
-    entry: int
-    round: int = 0  # pulls and pushes: the round they belong to
-    rows: Optional[Tensor] = None  # pulls of some rows only
     since: float = field(default_factory=time.monotonic)
 
 
@@ -94,14 +86,14 @@ class Part:
     home: Any = None  # where the server keeps the value (its shared-memory slot), opaque here
     scratch: Optional[Tensor] = None  # where a round's pushes are summed before the optimizer runs
     initialised_by: set[int] = field(default_factory=set)
-    inits: list[Waiting] = field(default_factory=list)  # INITs answered when the value arrives
+    inits: list[Answer] = field(default_factory=list)  # INITs answered when the value arrives
     rounds: int = 0  # rounds completed
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
     base: dict[int, int] = field(default_factory=dict)  # worker -> the rounds before it rejoined (it counts from 0)
-    queued: dict[int, deque[tuple[Tensor, Optional[Waiting], bool]]] = field(default_factory=dict)  # not merged yet
+    queued: dict[int, deque[tuple[Tensor, Optional[Answer], bool]]] = field(default_factory=dict)  # not merged yet
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
     rescale: Optional[tuple[int, float]] = None  # (round, rescale) a pull brought before that round merged
-    pulls: list[Waiting] = field(default_factory=list)
+    pulls: list[Answer] = field(default_factory=list)
 
     @property
     def rows(self) -> int:
@@ -131,7 +123,6 @@ class Rounds:
         self.parts: dict[tuple[int, int], Part] = {}
         self.optimizer: Optional[Optimizer] = None
         self.finished: set[int] = set()  # workers that closed their store
-        self.returned: set[int] = set()  # workers back in lost ones' places: their rounds count from Part.base
 
     def part(self, key: int, index: int) -> Part:
         """The part ``(key, index)``, with its value (else :class:`KeyNotInitializedError`)."""
@@ -150,30 +141,28 @@ class Rounds:
                 raise ProtocolError(f"bad INIT of key {e.name} part {e.part}: numel {e.numel}, row_numel {e.row_numel}")
             if (e.value is not None) != (rank == 0):
                 raise ProtocolError(f"key {e.name}: worker 0 sends the init value, and only worker 0")
-            if p is None:
-                continue
-            if (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
+            if p is not None and (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
                 raise ShapeMismatchError(f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} "
                                          f"({mode}), another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must "
                                          "create the same store type and init the same keys in the same order")
-            if rank in p.initialised_by and rank in self.workers:  # (a worker back in a lost one's place inits again)
+            if p is not None and rank in p.initialised_by and rank in self.workers:  # (a worker back in a lost one's place inits again)
                 raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []
         for i, e in enumerate(entries):
             p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode))
             p.initialised_by.add(rank)
-            p.inits.append(Waiting(req, i))
+            p.inits.append(Answer(req, i))
             if e.value is not None and p.value is None:
                 p.value = self.storage(p)
                 p.value.view(-1).copy_(e.value)
             if p.value is not None:
-                out += [Answer(w.req, w.entry) for w in p.inits]
+                out += p.inits
                 p.inits = []
         return out
 
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
         """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
-        entries = _from_base(rank, entries) if rank in self.returned else entries
+        entries = _from_base(rank, entries)
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
@@ -202,12 +191,12 @@ class Rounds:
             if p.mode == "async":
                 assert p.value is not None
                 apply_push(self.optimizer, p.state_key, e.grad, p.value)
-                out.append(self._answer(p, Waiting(req, i)) if e.reply else Answer(req, i))
+                out.append(self._answer(p, Answer(req, i)) if e.reply else Answer(req, i))
                 continue
-            ack = Waiting(req, i, e.round) if e.ack_when_merged and not e.reply else None
+            ack = Answer(req, i, e.round) if e.ack_when_merged and not e.reply else None
             p.queued.setdefault(rank, deque()).append((e.grad, ack, e.held))
             if e.reply:  # answered like a pull of its round (which comes after the merge)
-                p.pulls.append(Waiting(req, i, e.round))
+                p.pulls.append(Answer(req, i, e.round))
             elif ack is None:
                 out.append(Answer(req, i))
             touched[id(p)] = p
@@ -222,15 +211,14 @@ class Rounds:
         out: list[Answer] = []
         while p.held is None and all(p.queued.get(r) for r in self.workers):
             entries = [p.queued[r].popleft() for r in self.workers]
-            out += [Answer(ack.req, ack.entry) for _, ack, _ in entries if ack is not None]
+            out += [ack for _, ack, _ in entries if ack is not None]
             merged = self._merge(p, [g for g, _, _ in entries])
-            if merged is not None and any(held for _, _, held in entries):
-                if p.rescale is None or p.rescale[0] != p.rounds + 1 or self.optimizer is None:
-                    p.held = merged
-                    break
-                out += self._apply(p, merged, p.rescale[1])  # a pull of this round came already
-                continue
-            out += self._apply(p, merged)
+            held = merged is not None and any(h for _, _, h in entries)
+            rescale = p.rescale[1] if held and p.rescale is not None and p.rescale[0] == p.rounds + 1 else None  # a pull of it came
+            if held and (rescale is None or self.optimizer is None):
+                p.held = merged  # (ends the loop)
+            else:
+                out += self._apply(p, merged, rescale)
         return out
 
     def _merge(self, p: Part, grads: list[Tensor]) -> Optional[Tensor]:
@@ -268,7 +256,7 @@ class Rounds:
 
     def pull(self, req: Any, rank: int, entries: list[PullEntry]) -> list[Answer]:
         """Answer each entry now if its round is complete (async: always), else when it is."""
-        entries = _from_base(rank, entries) if rank in self.returned else entries
+        entries = _from_base(rank, entries)
         for e in entries:
             p = e.part
             if p.mode == "sync" and e.round > p.pushed.get(rank, 0):
@@ -286,21 +274,24 @@ class Rounds:
                 out += self._complete(p)
             elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
+            w = Answer(req, i, e.round, e.rows)
             if e.mirror:
-                out.append(Answer(req, i))
+                out.append(w)
             elif p.mode == "async" or e.round <= p.rounds:
-                out.append(self._answer(p, Waiting(req, i, e.round, e.rows)))
+                out.append(self._answer(p, w))
             else:
-                p.pulls.append(Waiting(req, i, e.round, e.rows))
+                p.pulls.append(w)
         return out
 
-    def _answer(self, p: Part, w: Waiting) -> Answer:
+    def _answer(self, p: Part, w: Answer) -> Answer:
         assert p.value is not None
         if w.rows is not None:
-            return Answer(w.req, w.entry, p.value.index_select(0, w.rows))
-        if p.mode == "async":
-            return Answer(w.req, w.entry, p.value.clone())
-        return Answer(w.req, w.entry, p.value, part=p)
+            w.value = p.value.index_select(0, w.rows)
+        elif p.mode == "async":
+            w.value = p.value.clone()
+        else:
+            w.value, w.part = p.value, p
+        return w
 
     def _blocker(self, p: Part, round: int) -> Optional[NodeFailedError]:
         """Why ``round`` of ``p`` can never complete (a worker finished without pushing it), or None."""
@@ -313,15 +304,13 @@ class Rounds:
             return []
         merged = p.rounds + (p.held is not None)  # rounds merged (a held one waits only for its rescale)
         reachable = merged + min(len(p.queued.get(r, ())) for r in self.finished)
-        out = []
-        for w in [w for w in p.pulls if w.round > reachable]:
-            p.pulls.remove(w)
-            out.append(Answer(w.req, w.entry, error=self._blocker(p, w.round)))
+        out = [replace(w, error=self._blocker(p, w.round)) for w in p.pulls if w.round > reachable]
+        p.pulls = [w for w in p.pulls if w.round <= reachable]
         for q in p.queued.values():
             while len(q) > reachable - merged:
                 _, ack, _ = q.pop()
                 if ack is not None:
-                    out.append(Answer(ack.req, ack.entry, error=self._blocker(p, ack.round)))
+                    out.append(replace(ack, error=self._blocker(p, ack.round)))
         return out
 
     def finish(self, rank: int) -> list[Answer]:
@@ -335,11 +324,9 @@ class Rounds:
         """Worker ``rank`` failed and the job goes on without it (``PSKV_MIN_WORKERS``): its pushes
         not merged yet are dropped, and rounds complete with the other workers' pushes."""
         self.workers.remove(rank)
-        out = []
         for p in self.parts.values():
             p.queued.pop(rank, None)
-            out += self._complete(p)
-        return out
+        return [a for p in self.parts.values() for a in self._complete(p)]
 
     def rejoin(self, rank: int) -> None:
         """Worker ``rank`` is back, in a lost one's place (``pskv launch --max-restarts``): every round
@@ -347,7 +334,6 @@ class Rounds:
         where each worker pulled what it pushed: every live worker pushed the same rounds."""
         self.workers = sorted({*self.workers, rank})
         self.finished.discard(rank)
-        self.returned.add(rank)
         for p in self.parts.values():
             p.base[rank] = p.pushed[rank] = max(p.pushed.get(r, 0) for r in self.workers)
 
@@ -362,11 +348,11 @@ class Rounds:
                 gap = f"round {w.round - 1}: workers {missing} have not pushed key {p.name} in that round (pushed: {got})"
                 if not missing:
                     gap = f"round {w.round - 1} of key {p.name}: every worker pushed; its update waits for the rescale a pull of it brings"
-                out.append(Answer(w.req, w.entry, error=deadline(f"the pull of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
+                out.append(replace(w, error=deadline(f"the pull of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
             for w in [w for w in p.inits if now - w.since > self.timeout]:
                 p.inits.remove(w)
                 gap = f"its value: worker 0 sends it and has not; workers that called init: {sorted(p.initialised_by)}"
-                out.append(Answer(w.req, w.entry, error=deadline(f"the init of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
+                out.append(replace(w, error=deadline(f"the init of {p}", now - w.since, "PSKV_TIMEOUT", self.timeout, gap)))
         return out
 
     def fail_all(self, exc: PSKVError) -> list[Answer]:
@@ -374,7 +360,7 @@ class Rounds:
         out = []
         for p in self.parts.values():
             acks = [ack for q in p.queued.values() for _, ack, _ in q if ack is not None]
-            out += [Answer(w.req, w.entry, error=exc) for w in (*p.pulls, *p.inits, *acks)]
+            out += [replace(w, error=exc) for w in (*p.pulls, *p.inits, *acks)]
             p.pulls, p.inits = [], []
             p.queued.clear()
         return out
@@ -394,10 +380,8 @@ class Rounds:
 
     def states(self) -> list[tuple[Part, KeyState]]:
         """Every part's optimizer state (parts no update reached yet have none)."""
-        opt = self.optimizer
-        if opt is None:
-            return []
-        return [(p, opt.states[p.state_key]) for p in self.parts.values() if p.state_key in opt.states]
+        states = self.optimizer.states if self.optimizer is not None else {}
+        return [(p, states[p.state_key]) for p in self.parts.values() if p.state_key in states]
 
     def load_states(self, desc: Any, num_update: int, entries: Iterable[tuple[Part, int, dict[str, Tensor]]]) -> None:
         """Install saved states, all checked first (an optimizer is set from ``desc`` if there is none)."""
@@ -414,7 +398,7 @@ class Rounds:
 
 
 def _from_base(rank: int, entries: list[E]) -> list[E]:
-    """``entries`` with the rounds of a worker that rejoined counted from the part's rounds before it."""
+    """``entries`` with the rounds of a worker that rejoined (in a lost one's place) counted from the part's rounds before it."""
     return [e._replace(round=e.round + e.part.base[rank]) if rank in e.part.base else e for e in entries]
 
 

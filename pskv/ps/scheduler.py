@@ -83,8 +83,7 @@ class Scheduler:
         bound = self.van.listen(self.env.scheduler_endpoint, max_frame=MAX_META)
         # tell pskv launch (PSKV_PORT_FD) our port; later, that the job started (from then on it may go on
         # without a lost node: --replicas, --min-workers), and which nodes were lost
-        fd = os.environ.get("PSKV_PORT_FD")
-        if fd and not self.env.inproc:
+        if (fd := os.environ.get("PSKV_PORT_FD")) and not self.env.inproc:
             self._pipe = os.fdopen(int(fd), "w")
             self._tell(bound.rsplit(":", 1)[1])
         say("scheduler", f"listening on {bound}, waiting for {self.env.num_servers} servers and {self.env.num_workers} workers")
@@ -119,12 +118,10 @@ class Scheduler:
                 self._pipe.flush()
 
     def _handle(self, peer: str, msg: Message) -> None:
-        node = self.nodes.get(peer)
-        if node is not None:
+        if (node := self.nodes.get(peer)) is not None:
             node.last_seen, node.closed = time.monotonic(), 0.0
         if msg.type == Type.REGISTER:
-            self._register(peer, msg)
-            return
+            return self._register(peer, msg)
         if node is None:
             raise ClusterError(f"{msg.type.name} from a node that has not registered")
         if msg.type == Type.HEARTBEAT:
@@ -153,8 +150,7 @@ class Scheduler:
         if self.started or len(self._members(role)) >= want:
             raise ClusterError(f"the job already has its {want} {role}s; refusing {role} from host {meta.get('host')} "
                                f"pid {meta.get('pid')}")
-        wanted = meta.get("id")
-        if wanted is not None:
+        if (wanted := meta.get("id")) is not None:
             if not isinstance(wanted, int) or not 0 <= wanted < want:
                 raise ClusterError(f"{role} id {wanted!r} is out of range 0..{want - 1}")
             if any(n.meta.get("id") == wanted for n in self._members(role)):
@@ -209,8 +205,7 @@ class Scheduler:
         if node.joining:
             self.admits[node.peer] = msg
             return
-        gone = [n for n in self._members(group) if n.finished]
-        if gone:
+        if gone := [n for n in self._members(group) if n.finished]:
             raise finished_without(", ".join(map(str, gone)), f"reaching the barrier of the {group}s")
         self.barriers.setdefault(group, _Barrier(time.monotonic())).waiting[node.peer] = msg
         self._release(group)

@@ -51,8 +51,7 @@ class _Frames:
         self._it, self.what = iter(msg.frames), msg.type.name
 
     def take(self) -> Any:
-        frame = next(self._it, None)
-        if frame is None:
+        if (frame := next(self._it, None)) is None:
             raise ProtocolError(f"a {self.what} has fewer payload frames than it announces")
         return frame
 
@@ -192,16 +191,14 @@ class Server(Node):
             timeline.span("answer", t0, requests=len(out))
 
     def _request(self, peer: str, req: _Request) -> None:
-        msg = req.msg
+        msg, meta = req.msg, req.msg.meta or {}
         if msg.type == Type.HELLO:
-            self._hello(peer, req)
-            return
-        rank = self.ranks.get(peer)
-        if rank is None:
+            return self._hello(peer, req)
+        if (rank := self.ranks.get(peer)) is None:
             raise ProtocolError(f"a {msg.type.name} on a connection that has not said HELLO")
         t0 = timeline.now()
         if msg.type == Type.INIT:
-            self._deliver(self.rounds.init(req, rank, str((msg.meta or {}).get("mode")), self._init_entries(msg)))
+            self._deliver(self.rounds.init(req, rank, str(meta.get("mode")), self._init_entries(msg)))
         elif msg.type == Type.PUSH:
             pushes = self._push_entries(msg, rank, req)
             self._deliver(self.rounds.push(req, rank, pushes))  # merges and updates the rounds it completes
@@ -211,7 +208,6 @@ class Server(Node):
             self._deliver(self.rounds.pull(req, rank, pulls))
             timeline.span(f"PULL from worker {rank}", t0, parts=len(pulls))
         elif msg.type == Type.SET_OPTIMIZER:
-            meta = msg.meta or {}
             self.rounds.set_optimizer(meta.get("optimizer"), bool(meta.get("keep_states")))
             self._send(req.route, msg.reply(Type.OK))
         elif msg.type == Type.GET_STATES:
@@ -222,7 +218,7 @@ class Server(Node):
         elif msg.type == Type.SHM_PROBE:  # map the worker's arena (checking its token), tell it where ours is
             if not self.shm:
                 raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-            self.shared.accept(msg.meta or {}, int(self.workers[rank]["pid"]))
+            self.shared.accept(meta, int(self.workers[rank]["pid"]))
             self._send(req.route, msg.reply(Type.OK, meta=self.shared.probe()))
         else:
             raise ProtocolError(f"a server does not handle {msg.type.name}")
@@ -243,12 +239,10 @@ class Server(Node):
         self._send(req.route, req.msg.reply(Type.OK))
 
     def _init_entries(self, msg: Message) -> list[InitEntry]:
-        with _Frames(msg) as frames:
+        with _Frames(msg) as frames:  # worker 0's INIT brings a value per part
             entries = [InitEntry(int(key), int(index), str(name), torch_dtype(dtype), int(numel), int(row_numel), None)
                        for key, index, dtype, numel, row_numel, _row_sparse, name in (msg.meta or {})["parts"]]
-            if msg.frames:  # worker 0's: a value per part
-                entries = [e._replace(value=frame_tensor(frames.take(), e.dtype, e.numel)) for e in entries]
-        return entries
+            return [e._replace(value=frame_tensor(frames.take(), e.dtype, e.numel)) if msg.frames else e for e in entries]
 
     def _push_entries(self, msg: Message, rank: int, req: _Request) -> list[PushEntry]:
         """Decode every part of a push (checked, nothing applied): gradients as ``rows x row_numel``."""
@@ -262,20 +256,19 @@ class Server(Node):
         return entries
 
     def _gradient(self, p: Part, row: Any, payload: list[Any], rank: int, msg: Message) -> Tensor:
-        if row.kind == PushKind.DENSE:
-            if row.fd >= 0 and not payload:
-                if not self.shm:
-                    raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
-                return self.shared.tensor(int(self.workers[rank]["pid"]), row.fd, row.offset, p.nbytes, p.dtype).view(p.rows, p.row_numel)
-            if len(payload) == 1:
-                return frame_tensor(payload[0], p.dtype, p.numel).view(p.rows, p.row_numel)
-        elif row.kind == PushKind.SPARSE and len(payload) == 2:
+        if row.kind == PushKind.DENSE and row.fd >= 0 and not payload:
+            if not self.shm:
+                raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
+            return self.shared.tensor(int(self.workers[rank]["pid"]), row.fd, row.offset, p.nbytes, p.dtype).view(p.rows, p.row_numel)
+        if row.kind == PushKind.DENSE and len(payload) == 1:
+            return frame_tensor(payload[0], p.dtype, p.numel).view(p.rows, p.row_numel)
+        if row.kind == PushKind.SPARSE and len(payload) == 2:
             ids = frame_tensor(payload[0], torch.int64)
             if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= p.rows):
                 raise ProtocolError(f"{p}: pushed row ids outside [0, {p.rows})")
             values = frame_tensor(payload[1], p.dtype, ids.numel() * p.row_numel).view(-1, p.row_numel)
             return torch.sparse_coo_tensor(ids.unsqueeze(0), values, (p.rows, p.row_numel), check_invariants=False)
-        elif row.kind == PushKind.COMPRESSED and payload:
+        if row.kind == PushKind.COMPRESSED and payload:
             codec = Codec.create((msg.meta or {}).get("codec", {}))
             total = torch.zeros(p.numel, dtype=p.dtype)
             for frame in payload:

@@ -102,18 +102,13 @@ class Shared:
             raise ProtocolError(f"a malformed shared-memory probe: {exc!r}") from None
 
     def _map(self, pid: int, fd: int, token: Optional[bytes] = None) -> mmap.mmap:
-        mm = self._maps.get((pid, fd))
-        if mm is None:
+        if (mm := self._maps.get((pid, fd))) is None:
             path = f"/proc/{pid}/fd/{fd}"
             try:
-                handle = os.open(path, os.O_RDWR)
+                with open(path, "r+b", buffering=0) as f:
+                    mm = mmap.mmap(f.fileno(), 0) if os.fstat(f.fileno()).st_size >= HEADER.size else None  # all of it
             except OSError as exc:
                 raise ProtocolError(f"cannot open shared memory {path}: {exc}") from None
-            try:
-                size = os.fstat(handle).st_size
-                mm = mmap.mmap(handle, size) if size >= HEADER.size else None
-            finally:
-                os.close(handle)
             if mm is None or HEADER.unpack_from(mm, 0)[0] != MAGIC:
                 raise ProtocolError(f"{path} is not a pskv arena")
             self._maps[pid, fd] = mm
@@ -127,8 +122,7 @@ class Shared:
         """A 1-D tensor over ``nbytes`` at ``offset`` of a peer's arena (bounds and alignment checked);
         kept, since slots are used again every round."""
         key = (pid, fd, offset, nbytes, dtype)
-        view = self._views.get(key)
-        if view is None:
+        if (view := self._views.get(key)) is None:
             mm = self._map(pid, fd)
             size = dtype.itemsize
             if offset < HEADER.size or nbytes < 0 or offset + nbytes > len(mm) or offset % size or nbytes % size:

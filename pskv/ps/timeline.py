@@ -54,8 +54,7 @@ def _dump() -> None:
 
 def merge(path: str) -> Optional[str]:
     """Merge the per-process files ``path.*.json`` into ``path`` (removing them); the path, or None if none."""
-    parts = sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))
-    if not parts:
+    if not (parts := sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))):
         return None
     events: list[Any] = []
     for part in parts:

@@ -132,8 +132,7 @@ class Tracker:
                 return
             frames = iter(msg.frames[1:])
             for row in ANSWER.unpack(msg.frames[0]):
-                entry = req.entries[row.entry]
-                if entry is None:
+                if (entry := req.entries[row.entry]) is None:
                     continue
                 handle, sink, dtype = entry
                 if sink is not None:  # a function of the part, or a tensor it is copied into
@@ -154,9 +153,8 @@ class Tracker:
                 return
             if exc is not None and req.kind == Type.PUSH:
                 self._failed_pushes.append(exc)
-        for entry in req.entries:
-            if entry is not None:
-                entry[0]._settle(exc)
+        for entry in [e for e in req.entries if e is not None]:
+            entry[0]._settle(exc)
 
     def take(self, peer: str) -> list[Request]:
         """Remove the open requests to ``peer`` without settling their calls (they are sent elsewhere)."""
