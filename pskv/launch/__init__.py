@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import shlex
 from collections.abc import Sequence
@@ -91,8 +92,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace) -> int:
     """Run ``pskv launch`` with parsed ``args``; the exit status. Blocks until the job ends."""
-    import importlib
-
     from .job import run_job
     from .spec import DEFAULT_PORT, JobSpec, read_hostfile
 

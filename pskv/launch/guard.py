@@ -64,11 +64,9 @@ class GuardError(Exception):
 def rank_from(environ: Mapping[str, str], names: Sequence[str], offset: int = 0) -> int:
     """The last integer in the first variable of ``names`` that is set, minus ``offset``."""
     for name in names:
-        raw = environ.get(name, "").strip()
-        if not raw:
+        if not (raw := environ.get(name, "").strip()):
             continue
-        match = re.search(r"(\d+)\D*$", raw)
-        if match is None:
+        if (match := re.search(r"(\d+)\D*$", raw)) is None:
             raise GuardError(f"{name}={raw!r} holds no rank number")
         if int(match.group(1)) < offset:
             raise GuardError(f"{name}={raw} minus offset {offset} is a negative rank")
@@ -189,15 +187,13 @@ class Guard:
                 preexec_fn=None if self.own_session else _die_with_parent,
             )  # fmt: skip
         except OSError as exc:
-            reason = f"cannot start {self.argv[0]}: {exc.strerror or exc}"
-            self.say(f"{self.name} failed: {reason} (exited with status 127)", named=False)
+            self.say(f"{self.name} failed: cannot start {self.argv[0]}: {exc.strerror or exc} (exited with status 127)", named=False)
             return 127
         finally:
             for fd in pass_fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        pipes = [(popen.stdout, 1), (popen.stderr, 2)] if self.prefix else []
-        pumps = [pump(p, functools.partial(self._write, fd)) for p, fd in pipes if p is not None]
+        pumps = [pump(p, functools.partial(self._write, fd)) for p, fd in ((popen.stdout, 1), (popen.stderr, 2)) if p is not None]  # piped with --prefix only
         if watch_stdin:
             threading.Thread(target=self._watch_stdin, daemon=True).start()
         while popen.poll() is None and not self.stop_reason:

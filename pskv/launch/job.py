@@ -345,8 +345,8 @@ class Document(Backend):
         return exit_status(res.returncode)
 
     def submit(self) -> subprocess.CompletedProcess[str]:
-        """Run :attr:`tool` to hand the document over."""
-        raise NotImplementedError
+        """Run :attr:`tool` to hand the document over, on its standard input."""
+        return run_quiet([self.tool, *self.command[1:]], timeout=300, input=self.text)
 
 
 def run_job(spec: JobSpec, backend: Backend) -> int:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from typing import Any
 
 from ..errors import LaunchError
-from .job import Document, run_quiet
+from .job import Document
 from .spec import JobSpec
 
 RANK_VAR = "JOB_COMPLETION_INDEX"
@@ -82,6 +81,3 @@ class Kubernetes(Document):
         self.written = f"wrote {len(items)} Kubernetes objects to {spec.output}; apply them with `kubectl apply -f {spec.output}`"
         logs = f"kubectl logs -f -l pskv/job={name} --prefix --max-log-requests {spec.num_workers + spec.num_servers + 1}"
         self.success = f"applied job {name}; follow it with `{logs}`; remove it with `kubectl delete job,service,secret -l pskv/job={name}`"
-
-    def submit(self) -> subprocess.CompletedProcess[str]:
-        return run_quiet([self.tool, *self.command[1:]], timeout=300, input=self.text)

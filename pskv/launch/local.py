@@ -1,6 +1,5 @@
 """``pskv launch --launcher local``: the scheduler, servers and workers all on this machine
-(docs/launchers/local.md); :func:`launch_local` runs such a job for ``pskv train`` and ``pskv bench``.
-"""
+(docs/launchers/local.md); :func:`launch_local` runs such a job for ``pskv train`` and ``pskv bench``."""
 
 from __future__ import annotations
 

@@ -53,20 +53,19 @@ class Mpi(Backend):
         argv += ["-f", self.hostfile] if self.hostfile else []
         if spec.sync_dst_dir:
             argv += ["-wdir" if mpich else "--wdir", spec.sync_dst_dir]
-        offset = 0
         sep: list[str] = []  # between two app contexts: ":"
         for role in spec.roles():
             env = spec.process_env(role, self.address, port).items()
             env_args = [a for k, v in env for a in (["-env", k, v] if mpich else ["-x", f"{k}={v}"])]
             if spec.secret:  # its value comes from mpirun's environment, never from this command line
                 env_args += ["-envlist", "PSKV_SECRET"] if mpich else ["-x", "PSKV_SECRET"]
+            offset = spec.num_servers if role == "worker" else 0  # MPI numbers the workers after the servers
             rank = ["--rank-from", RANK_VARS, *(["--rank-offset", str(offset)] if offset else [])]
             guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}")
             for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
                 where = ["--host", host] if host else []
                 argv += [*sep, "-n" if mpich else "-np", str(n), *where, *env_args, *guarded]
                 sep = [":"]
-            offset += spec.count(role)
         return [Planned("mpirun", argv, main=True, show="raw")]
 
     def plan(self, port: Optional[int]) -> str:

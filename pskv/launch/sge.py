@@ -7,7 +7,6 @@ import contextlib
 import glob
 import os
 import shlex
-import shutil
 import time
 from typing import Optional
 
@@ -105,7 +104,7 @@ class Sge(Backend):
 
     def listed(self) -> dict[str, str]:
         """Job id -> the states of its tasks, as ``qstat`` lists them; :class:`LaunchError` if it fails."""
-        res = run_quiet([shutil.which("qstat") or "qstat"], timeout=60)
+        res = run_quiet(["qstat"], timeout=60)
         if res.returncode != 0:
             raise LaunchError(f"qstat failed: {res.stderr.strip()}")
         states: dict[str, str] = {}
@@ -138,7 +137,7 @@ class Sge(Backend):
         ids = list(self.ids.values())
         if not ids:
             return
-        run_quiet([shutil.which("qdel") or "qdel", *ids], timeout=60)
+        run_quiet(["qdel", *ids], timeout=60)
         deadline = time.monotonic() + 60
         with contextlib.suppress(LaunchError):  # until the execution hosts have stopped the tasks (qstat failed: no use)
             while time.monotonic() < deadline and set(self.listed()) & set(ids):
