@@ -26,6 +26,7 @@ The ``DMLC_*`` variables that say who a process is (role, scheduler address, cou
 from __future__ import annotations
 
 import os
+import stat
 from functools import partial
 from typing import Optional, TypeVar
 
@@ -100,8 +101,6 @@ def secret() -> Optional[bytes]:
 def lifeline() -> Optional[int]:
     """The read end of the launcher's lifeline pipe, if this process holds it (``PSKV_LIFELINE``:
     ``fd:inode``; a process that only inherited the variable, not the pipe, has none)."""
-    import stat
-
     fd, _, inode = os.environ.get("PSKV_LIFELINE", "").partition(":")
     try:
         st = os.fstat(int(fd))

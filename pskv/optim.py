@@ -147,7 +147,6 @@ class _Rule:
 
 
 _ADAM: Hyper = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
-_ADAMW_DENSE, _ADAMW_SPARSE = partial(_adam_dense, decoupled=True), partial(_adam_sparse, decoupled=True)
 _RULES = {
     "sgd": _Rule({"momentum": 0.0, "dampening": 0.0, "nesterov": False},
                  lambda h: {"momentum_buffer": 0.0} if h["momentum"] != 0 else {},
@@ -155,7 +154,7 @@ _RULES = {
     "adam": _Rule(_ADAM, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0}, _adam_dense, _adam_sparse,
                   lambda h: True),
     "adamw": _Rule({**_ADAM, "wd": 0.01}, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
-                   _ADAMW_DENSE, _ADAMW_SPARSE, lambda h: True),
+                   partial(_adam_dense, decoupled=True), partial(_adam_sparse, decoupled=True), lambda h: True),
     "adagrad": _Rule({"epsilon": 1e-10, "lr_decay": 0.0, "initial_accumulator_value": 0.0},
                      lambda h: {"sum": float(h["initial_accumulator_value"])},
                      _adagrad_dense, _adagrad_sparse, lambda h: h["wd"] != 0),
@@ -408,10 +407,9 @@ def load_states(path: Union[str, Path]) -> dict[str, Any]:
     return state
 
 
-def create(name: str, **hyper: Any) -> Optimizer:
+def create(name: str, *, lr_scheduler: Optional[Mapping[str, Any]] = None, **hyper: Any) -> Optimizer:
     """Build an optimizer, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9, lr_scheduler=...)``."""
-    schedule = hyper.pop("lr_scheduler", None)
-    return Optimizer(name, hyper, schedule)
+    return Optimizer(name, hyper, lr_scheduler)
 
 
 def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False) -> None:

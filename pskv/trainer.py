@@ -253,8 +253,7 @@ class Trainer:
             self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
         if self._overlap:  # a pull per key: each layer's forward waits only for its own
             for i, (key, *outs) in enumerate(zip(self._keys, *self._reps)):
-                handle = self._kv.pull(key, outs, priority=-i, wait=False, _rescale=rescale)
-                self._inflight[i] = cast(Handle, handle)
+                self._inflight[i] = cast(Handle, self._kv.pull(key, outs, priority=-i, wait=False, _rescale=rescale))
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)

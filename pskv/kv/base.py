@@ -319,10 +319,9 @@ class KVStore:
     def close(self) -> None:
         """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._close_impl()
+            if not self._closed:
+                self._closed = True
+                self._close_impl()
 
     def __enter__(self) -> KVStore:
         return self

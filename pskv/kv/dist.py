@@ -347,9 +347,8 @@ class DistStore(KVStore):
                     batches[s][0].append({"key": meta.id, "part": p.index, "step": step, "names": names})
                     batches[s][1].extend(tensor_frame(flats[n][p.start : p.stop]) for n in names)
         head = {"optimizer": state["optimizer"], "num_update": int(state["num_update"])}
-        msgs = [Message(Type.SET_STATES, meta={**head, "parts": rows}, frames=frames)
-                for rows, frames in batches.values()]
-        self._to_servers(lambda s: msgs[s], "load_optimizer_states")
+        self._to_servers(lambda s: Message(Type.SET_STATES, meta={**head, "parts": batches[s][0]}, frames=batches[s][1]),
+                         "load_optimizer_states")
 
     def _set_compression_impl(self, compressor: Compressor) -> None:
         self._client.push_meta = {"codec": compressor.codec.describe()}
