@@ -218,6 +218,23 @@ def test_a_nonfinite_push_fails_and_changes_nothing(offline_server: Any, bad: fl
     assert part.pushed.get(1, 0) == 0 and torch.equal(part.value.flatten(), init)
 
 
+@pytest.mark.parametrize(("dtype", "values", "finite"), [
+    ("float16", [60000.0, 60000.0], True),  # finite values whose sum overflows float16: accepted
+    ("complex64", [1 + 1j, complex(0, float("nan"))], False),
+    ("complex64", [1 + 1j, 2 - 1j], True),
+])  # fmt: skip
+def test_the_nonfinite_check_is_exact(offline_server: Any, dtype: str, values: list[Any], finite: bool) -> None:
+    off = offline_server()
+    torch_dtype = getattr(torch, dtype)
+    parts = [[5, 0, dtype, 2, 1, False, "w"]]
+    off.send("w0", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}, [tensor_frame(torch.zeros(2, dtype=torch_dtype))]))
+    off.send("w1", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}))
+    grad = torch.tensor(values, dtype=torch_dtype)
+    answer = off.send("w1", Message(Type.PUSH, 2, None, [PUSH.pack([(5, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(grad)]))[-1]
+    assert (answer.type != Type.ERROR) == finite, answer.meta
+    assert off.server.rounds.part(5, 0).pushed.get(1, 0) == int(finite)
+
+
 def test_nonfinite_pushes_skipped_count_as_zeros(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
     monkeypatch.setenv("PSKV_NONFINITE", "skip")
     job = inproc_job(2, 1)
