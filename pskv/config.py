@@ -6,7 +6,7 @@ variable                   default  meaning
 ``PSKV_HEARTBEAT_TIMEOUT`` 30       seconds of silence after which a node is declared dead
 ``PSKV_HEARTBEAT_INTERVAL`` 1       seconds between heartbeats (kept below the timeout / 3)
 ``PSKV_BIGARRAY_BOUND``    65536    arrays with at least this many elements are cut over all servers (MXNet: 1e6)
-``PSKV_CHUNK_BYTES``       4 MB     big slices are cut into parts of at most this many bytes (0: not cut); 256 KB when the job spans hosts
+``PSKV_CHUNK_BYTES``       4 MB     big slices are cut into parts of at most this many bytes (0: not cut); 1 MB when the job spans hosts
 ``PSKV_BATCH_BYTES``       8 MB     a push goes to a TCP server in messages of about this many bytes; 256 KB when the job spans hosts
 ``PSKV_MAX_MESSAGE_BYTES`` 64 MB    a server disconnects a client that sends a bigger frame; at least 2 x ``PSKV_CHUNK_BYTES``
 ``PSKV_REPLICAS``          0        R: every part is also kept by the next R servers, and the job survives R lost servers (``pskv launch --replicas``)
@@ -69,8 +69,8 @@ nonfinite = partial(getenv, "PSKV_NONFINITE", "error", choices=("error", "skip",
 
 
 def chunk_bytes(across_hosts: bool) -> int:
-    """Small parts across hosts let answers flow down a link while pushes flow up (benchmarks/RESULTS.md)."""
-    return getenv("PSKV_CHUNK_BYTES", 256 << 10 if across_hosts else 4 << 20, least=0)
+    """Smaller parts across hosts let answers flow down a link while pushes flow up (benchmarks/RESULTS.md, 10)."""
+    return getenv("PSKV_CHUNK_BYTES", 1 << 20 if across_hosts else 4 << 20, least=0)
 
 
 def batch_bytes(across_hosts: bool) -> int:

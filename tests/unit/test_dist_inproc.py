@@ -461,15 +461,15 @@ def test_a_push_waits_for_an_earlier_pull_of_the_same_key(inproc_job: Job) -> No
 
 @pytest.mark.parametrize("spans_hosts", [False, True])
 def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, spans_hosts: bool) -> None:
-    """Across hosts parts and TCP batches default to 256 KB (answers flow down a link while pushes
-    flow up); on one host to 4 MB and 8 MB; PSKV_CHUNK_BYTES / PSKV_BATCH_BYTES win over both."""
+    """Across hosts parts default to 1 MB and TCP batches to 256 KB (answers flow down a link while
+    pushes flow up); on one host to 4 MB and 8 MB; PSKV_CHUNK_BYTES / PSKV_BATCH_BYTES win over both."""
     table = {"servers": [{"host": "10.0.0.1"}], "workers": [{"host": "10.0.0.2" if spans_hosts else "10.0.0.1"}]}
     assert Node.across_hosts.fget(type("Table", (), table)) is spans_hosts  # type: ignore[attr-defined]
     monkeypatch.setattr(Node, "across_hosts", property(lambda self: spans_hosts))
     with inproc_job(1, 1).worker() as kv:
         kv.init("w", torch.zeros(1000, 1000))  # 4 MB: one part on one host
         sizes = [p.numel * 4 for p in kv._parts[0]]  # type: ignore[attr-defined]
-        assert max(sizes) <= (256 << 10 if spans_hosts else 4 << 20) and (len(sizes) > 1) == spans_hosts
+        assert max(sizes) <= (1 << 20 if spans_hosts else 4 << 20) and (len(sizes) > 1) == spans_hosts
         assert kv._client._batch_bytes == (256 << 10 if spans_hosts else 8 << 20)  # type: ignore[attr-defined]
     monkeypatch.setenv("PSKV_CHUNK_BYTES", "1048576")
     monkeypatch.setenv("PSKV_BATCH_BYTES", "65536")
