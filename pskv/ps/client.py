@@ -131,11 +131,13 @@ class WorkerClient(Node):
         live backup as pulls (the backups got the pushes)."""
         with self._lock:
             self.lost_servers.add(lost)
-            rows = [(kind, row, frames, entry, False) for kind in (Type.PUSH, Type.PULL) for row, frames, entry, _ in self._pending.pop((lost, kind), [])]
+            unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
+        rows = [(kind, row, frames, entry, False) for kind, (row, frames, entry, _) in unsent]
         for req in self.tracker.take(f"server {lost}"):
             if req.rows is None:  # a whole message (HELLO, INIT, SET_STATES...): the backup got its own
-                for entry in [e for e in req.entries if e is not None]:
-                    entry[0]._settle()
+                for entry in req.entries:
+                    if entry is not None:
+                        entry[0]._settle()
             rows += [(req.kind, row, frames, entry, True) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
         counted = [entry for kind, row, frames, entry, was in rows if was]
         for kind, row, frames, entry, _ in rows:

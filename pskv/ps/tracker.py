@@ -137,7 +137,10 @@ class Tracker:
                 handle, sink, dtype = entry
                 if sink is not None:  # a function of the part, or a tensor it is copied into
                     src = req.shared(row, dtype) if row.fd >= 0 and req.shared is not None else frame_tensor(next(frames), dtype)
-                    sink(src) if callable(sink) else sink.copy_(src.view(sink.shape))
+                    if callable(sink):
+                        sink(src)
+                    else:
+                        sink.copy_(src.view(sink.shape))
                 req.entries[row.entry] = None
                 req.remaining -= 1
                 handle._settle()
@@ -153,8 +156,9 @@ class Tracker:
                 return
             if exc is not None and req.kind == Type.PUSH:
                 self._failed_pushes.append(exc)
-        for entry in [e for e in req.entries if e is not None]:
-            entry[0]._settle(exc)
+        for entry in req.entries:
+            if entry is not None:
+                entry[0]._settle(exc)
 
     def take(self, peer: str) -> list[Request]:
         """Remove the open requests to ``peer`` without settling their calls (they are sent elsewhere)."""
