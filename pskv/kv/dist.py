@@ -4,7 +4,6 @@ next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipelin
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
 from collections.abc import Iterator
@@ -125,25 +124,54 @@ class DistStore(KVStore):
         return self._done(self._queue_push(items, handle, bufs, wait, 0), wait)
 
     def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int) -> Handle:
-        """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values."""
+        """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values.
+        The GPU values' parts are copied to their page-locked slots together (:meth:`_copy_out`), and
+        their rows wait for that copy's CUDA event (the I/O thread waits for it, not the caller)."""
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError("dist_async applies each push on the servers, so it needs an "
                                                 "optimizer: call set_optimizer first")
+        def put(meta: KeyMeta, p: Part, row: list[int], frames: list[Any], entry: Any, ready: Any = None) -> None:
+            nbytes = p.numel * meta.dtype.itemsize if frames else 0
+            self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
+            if bufs is not None or not frames:  # the part's answer, or our shared slot, is in use until done
+                self._before_push[(meta.id, p.index)] = handle
+
+        staged: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}  # per GPU: (slot, piece) to copy
+        waiting = []  # the GPU values' rows, queued once their copy is
         for i, (meta, values) in enumerate(items):
-            for p, row, frames, ready in self._push_parts(meta, values, borrow, held, int(bufs is not None)):
+            for p, row, frames, gpu in self._push_parts(meta, values, borrow, held, int(bufs is not None), staged):
                 entry = (handle, None, None) if bufs is None else (handle, self._sink(handle, meta, bufs[i], p), meta.dtype)
-                nbytes = p.numel * meta.dtype.itemsize if frames else 0
-                self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
-                if bufs is not None or not frames:  # the part's answer, or our shared slot, is in use until done
-                    self._before_push[(meta.id, p.index)] = handle
+                if gpu is None:  # queued now: a full batch leaves while the next keys are copied
+                    put(meta, p, row, frames, entry)
+                else:
+                    waiting.append((gpu, meta, p, row, frames, entry))
+        ready = {}
+        for device, pairs in staged.items():  # after what the caller's stream has queued (the gradients)
+            self._stream(device, True).wait_stream(torch.cuda.current_stream(device))
+            ready[device] = self._copy(device, True, [slot for slot, _ in pairs], [piece for _, piece in pairs])
+        for gpu, meta, p, row, frames, entry in waiting:
+            put(meta, p, row, frames, entry, ready[gpu])
         return handle
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int) -> list[tuple[Part, list[int], list[Any], Any]]:
-        """Each part of one key's push: its PUSH row, payload frames (none through shared memory) and the
-        CUDA event its bytes wait for (a GPU value is copied to its page-locked slot on a side stream,
-        after the gradient's). ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
-        rounds = list(self._rounds(meta))  # waits for earlier pulls first: their copies go on the caller's stream
+    def _copy(self, device: torch.device, to_host: bool, dsts: list[Tensor], srcs: list[Tensor]) -> Any:
+        """Copy ``srcs`` to ``dsts`` in one call on ``device``'s side stream for that direction; the
+        copy's CUDA event (the GPU tensors' memory is not reused before it has passed)."""
+        stream = self._stream(device, to_host)
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(stream)
+        for t in srcs if to_host else dsts:
+            t.record_stream(stream)
+        return done
+
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int,
+                    staged: dict[torch.device, list[tuple[Tensor, Tensor]]]) -> list[tuple[Part, list[int], list[Any], Optional[torch.device]]]:
+        """Each part of one key's push: its PUSH row, payload frames (none through shared memory) and,
+        for a GPU value, its device (the part is added to ``staged``, to be copied to its page-locked
+        slot). ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
+        rounds = list(self._rounds(meta))  # waits for earlier pulls first
         sparse = any(v.is_sparse for v in values)
         comp = None if sparse else self._compressor
         gpu = not sparse and comp is None and values[0].is_cuda
@@ -160,36 +188,31 @@ class DistStore(KVStore):
             flats = values if len(rounds) == 1 else [v.reshape(-1) for v in values]
             one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
-        stream = self._stream(values[0].device, True) if gpu else None
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(values[0].device))  # after the gradient is made
-            flats[0].record_stream(stream)  # its memory is not reused before the copy is done
         out = []
-        with torch.cuda.stream(stream) if gpu else contextlib.nullcontext():
-            for p, round_ in rounds:
-                kind, home, frames, ready = PushKind.DENSE, (-1, 0), [], None  # home: the (fd, offset) of our shared-memory slot
-                shm = p.server in self._client.shm_servers
-                if sparse:
-                    r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
-                    sel = (ids >= r0) & (ids < r1)
-                    kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
-                elif comp is not None:
-                    kind = PushKind.COMPRESSED
-                    frames = [tensor_frame(comp.codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-                elif gpu or shm:  # summed into our slot: shared memory, or pinned memory for a GPU value
-                    slot, home = self._slot(meta, p, gpu)
-                    slot.copy_(self._piece(meta, flats[0], p), non_blocking=gpu)
+        for p, round_ in rounds:
+            kind, home, frames = PushKind.DENSE, (-1, 0), []  # home: the (fd, offset) of our shared-memory slot
+            shm = p.server in self._client.shm_servers
+            if sparse:
+                r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
+                sel = (ids >= r0) & (ids < r1)
+                kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
+            elif comp is not None:
+                kind = PushKind.COMPRESSED
+                frames = [tensor_frame(comp.codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
+            elif gpu or shm:  # summed into our slot: shared memory, or pinned memory for a GPU value
+                slot, home = self._slot(meta, p, gpu)
+                if gpu:  # (one value: summed on the device above)
+                    staged.setdefault(values[0].device, []).append((slot, self._piece(meta, flats[0], p)))
+                else:
+                    slot.copy_(self._piece(meta, flats[0], p))
                     for f in flats[1:]:
                         slot.add_(self._piece(meta, f, p).to("cpu"))
-                    if gpu:
-                        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                        ready.record(stream)
-                    frames = [] if shm else [tensor_frame(slot)]
-                else:
-                    if merged_flat is None:
-                        merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
-                    frames = [tensor_frame(merged_flat[p.start : p.stop])]
-                out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, ready))
+                frames = [] if shm else [tensor_frame(slot)]
+            else:
+                if merged_flat is None:
+                    merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
+                frames = [tensor_frame(merged_flat[p.start : p.stop])]
+            out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, values[0].device if gpu else None))
         return out
 
     def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
@@ -197,10 +220,12 @@ class DistStore(KVStore):
         for p in self._parts[meta.id]:
             where = (meta.id, p.index)
             earlier = self._before_push.pop(where, None)
-            if earlier is not None and not earlier.done():
-                earlier.wait()  # sends what is queued first
-            for copied in earlier.copies if earlier is not None else ():
-                copied.synchronize()  # its answer is read from the server's memory, which our push lets it change
+            if earlier is not None and not earlier.finished:
+                earlier.wait()  # sends what is queued first; copies its answers
+            if earlier is not None:  # its answers are read from the server's memory, which our push lets it change
+                for copied in earlier.copies:
+                    copied.synchronize()
+                earlier.copies = []  # done: the other keys of that call need not wait for them again
             self._round_sent[where] = self._round_sent.get(where, 0) + 1
             yield p, self._round_sent[where]
 
@@ -234,37 +259,44 @@ class DistStore(KVStore):
         it is contiguous on the CPU or a GPU (:meth:`_sink`), else a new buffer; the handle's wait copies to the rest."""
         copies: list[tuple[Tensor, list[Tensor]]] = []
         @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
-        def finish() -> None:  # in the caller's thread, once every part has arrived (on its stream, after the copies)
+        def finish() -> None:  # in the caller's thread, once every part has arrived
+            if handle.staged:
+                self._copy_in(handle)
             for buf, outs in copies:
                 for o in outs:
                     o.copy_(buf.to_sparse(1) if o.is_sparse else buf, non_blocking=o.is_cuda)
+        gpus: set[torch.device] = set()
         for meta, outs in items:
             first = outs[0]
             if not first.is_sparse and first.device.type in ("cpu", "cuda") and first.is_contiguous():
                 copies.append((first, outs[1:]))
-                if first.is_cuda:  # its copies wait for what the caller's stream has queued (may read it)
+                if first.is_cuda and first.device not in gpus:  # its copies wait for what the caller's stream has queued (may read it)
                     self._stream(first.device, False).wait_stream(torch.cuda.current_stream(first.device))
                     self._client.shared.pin_peers()
+                    gpus.add(first.device)
             else:
                 copies.append((torch.empty(meta.shape, dtype=meta.dtype), outs))
-        return self._client.handle(finish), [buf for buf, _ in copies]
+        handle = self._client.handle(finish)
+        return handle, [buf for buf, _ in copies]
 
     def _sink(self, handle: Handle, meta: KeyMeta, buf: Tensor, p: Part) -> Sink:
-        """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, a copy on a side
-        stream (from the server's shared memory, page-locked here, without a stop) that ``handle.wait()``
-        orders the caller's stream after."""
+        """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, the answer is
+        staged (left where it is: the server's shared memory, page-locked here, or the message) and
+        ``handle.wait()`` copies all of them (:meth:`_copy_in`)."""
         piece = self._piece(meta, buf, p)
         if not piece.is_cuda:
             return piece
-        stream = self._stream(piece.device, False)
+        return lambda src: handle.staged.append((piece, src.view(piece.shape)))
 
-        def copy(src: Tensor) -> None:
-            with torch.cuda.stream(stream):
-                piece.copy_(src.view(piece.shape), non_blocking=True)
-                handle.copies.append(torch.cuda.Event())  # type: ignore[no-untyped-call]
-                handle.copies[-1].record(stream)
-            piece.record_stream(stream)
-        return copy
+    def _copy_in(self, handle: Handle) -> None:
+        """Copy a pull's staged answers to their GPU pieces, one call per GPU, and make the caller's
+        stream wait for them (their events stay in ``handle.copies`` for later waits)."""
+        staged, handle.staged = handle.staged, []
+        for device in {piece.device for piece, _ in staged}:
+            pairs = [(piece, src) for piece, src in staged if piece.device == device]
+            copied = self._copy(device, False, [piece for piece, _ in pairs], [src for _, src in pairs])
+            handle.copies.append(copied)
+            copied.wait()
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()

@@ -28,13 +28,19 @@ class Handle:
 
     def __init__(self, tracker: Optional[Tracker] = None, finish: Optional[Callable[[], None]] = None, flush: Optional[Callable[[], Any]] = None):
         self._tracker = tracker
-        self._finish = finish  # runs once, in the caller's thread, when the wait succeeds
+        self._finish = [finish] if finish is not None else []  # runs once, in a caller's thread, when a wait succeeds
         self._flush = flush  # sends what is still queued, so that waiting for it makes sense
         self._left = 0
         self._done = tracker is None
         self.error: Optional[BaseException] = None
         self.sent: list[Callable[[float], bool]] = []  # waits for zmq to be done with this call's pushed bytes
         self.copies: list[Any] = []  # CUDA events of its answers' copies to a GPU: the caller's stream waits for them
+        self.staged: list[tuple[Any, Any]] = []  # (GPU piece, answer): copied together by the first wait
+
+    @property
+    def finished(self) -> bool:
+        """True once a wait has succeeded (the answers are where they go, or on their way on a GPU)."""
+        return self._done and not self._finish
 
     def done(self) -> bool:
         """True once every part is done (or the call failed); handles the answers that arrived."""
@@ -62,9 +68,11 @@ class Handle:
             tracker.raise_failure()  # the job's fatal error or a failed push's, if any
         for copied in self.copies:
             copied.wait()
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
+        try:  # (pop: two threads may wait for one call)
+            finish = self._finish.pop()
+        except IndexError:
+            return
+        finish()
 
     def _settle(self, error: Optional[BaseException] = None) -> None:
         self.error = self.error or error

@@ -69,3 +69,30 @@ def test_two_pulls_of_one_key_in_flight_get_their_own_rounds(inproc_job: Job) ->
         return [first.min().item(), first.max().item(), second.min().item(), second.max().item()]
 
     assert inproc_job(2, 2).run_workers(body, "dist_sync") == [[2.0, 2.0, 20.0, 20.0]] * 2
+
+
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_gpu_pushpull_into_several_outputs(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, shm: str) -> None:
+    """pushpull of GPU values (the DDP hook's call) with the sums going to two GPU outputs, and a
+    blocking pull after it: every output holds the round's sum (the answers are copied in one go
+    when the call is waited for, then to the second output)."""
+    monkeypatch.setenv("PSKV_SHM", shm)
+    shapes = [(5,), (700, 1000)]
+
+    def body(kv: KVStore) -> list[float]:
+        dev = torch.device("cuda", 0)
+        kv.init([0, 1], [torch.zeros(s, device=dev) for s in shapes])
+        seen = []
+        for rnd in range(3):
+            outs = [[torch.full(s, float("nan"), device=dev) for _ in range(2)] for s in shapes]
+            handle = kv.pushpull([0, 1], [torch.full(s, kv.rank + 1.0 + rnd, device=dev) for s in shapes], outs, wait=False)
+            assert handle is not None
+            handle.wait()
+            seen += [float(o.min()) for pair in outs for o in pair] + [float(o.max()) for pair in outs for o in pair]
+            again = [torch.full(s, float("nan"), device=dev) for s in shapes]
+            kv.pull([0, 1], again)
+            seen += [float(o.min()) for o in again]
+        return seen
+
+    want = [v for rnd in range(3) for v in [3.0 + 2 * rnd] * 10]
+    assert inproc_job(2, 2).run_workers(body) == [want, want]
