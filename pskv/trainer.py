@@ -20,6 +20,7 @@ from .kv.base import Key
 from .ps import timeline
 from .ps.tracker import Handle
 
+RUN_BYTES = 4 << 20  # with overlap, gradients are pushed and weights pulled in calls of about this many bytes
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
 
@@ -102,6 +103,7 @@ class Trainer:
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
         self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
         self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
+        self._bucket: list[int] = []  # with overlap: key indexes whose gradients wait for the next push
         self._syncing = True
         dist = kv is not None and kv.type.startswith("dist")
         if overlap and not dist:
@@ -114,7 +116,16 @@ class Trainer:
             self._arm()
 
     def _arm(self) -> None:
-        """Hooks: a gradient leaves once every replica has it; a module's forward waits for its parameters."""
+        """Hooks: a gradient leaves once every replica has it, with those made before it, once they
+        fill about ``RUN_BYTES`` (the rest when backward ends); a module's forward waits for its
+        parameters' pull, made in ``step`` in runs of keys of that size in layer order (a call costs
+        more than a key)."""
+        self._sizes = [t.numel() * t.element_size() for t in self._reps[0]]
+        self._runs: list[list[int]] = [[]]
+        for i in range(len(self._sizes)):
+            if sum(self._sizes[j] for j in self._runs[-1]) >= RUN_BYTES:
+                self._runs.append([])
+            self._runs[-1].append(i)
         where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
         def grad_ready(param: Tensor) -> None:
@@ -147,14 +158,27 @@ class Trainer:
         grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
         if self._ready[i] < len(self._reps) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
             return  # a sparse sum comes back by pull in step (pushpull would not fill a sparse grad)
+        self._pushed[i] = True  # till the end of step: a second gradient before then is refused
+        self._bucket.append(i)
+        if len(self._bucket) == 1:  # what is left goes when this backward ends
+            torch.autograd.Variable._execution_engine.queue_callback(self._send_bucket)
+        if sum(self._sizes[j] for j in self._bucket) >= RUN_BYTES:
+            self._send_bucket()
+
+    def _send_bucket(self) -> None:
+        """Push the gradients of the bucket in one call, without waiting; with pushpull the sums
+        come back into the gradients."""
+        which, self._bucket = self._bucket, []
+        if not which:
+            return
         assert self._kv is not None
         t0 = timeline.now()
-        self._pushed[i] = True  # till the end of step: a second gradient before then is refused
-        if self._update_on_kvstore:  # without waiting; with pushpull the sums come back into grads
-            self._kv.push(self._keys[i], grads, priority=-i, wait=False, _held=self._held)
+        keys, grads = [self._keys[i] for i in which], [[rep[i].grad for rep in self._reps] for i in which]
+        if self._update_on_kvstore:
+            self._kv.push(keys, grads, priority=-which[-1], wait=False, _held=self._held)
         else:
-            self._inflight[i] = cast(Handle, self._kv.pushpull(self._keys[i], grads, priority=-i, wait=False))
-        timeline.span(f"push {self._keys[i]}", t0)
+            self._inflight.update(dict.fromkeys(which, cast(Handle, self._kv.pushpull(keys, grads, priority=-which[-1], wait=False))))
+        timeline.span(f"push {keys[0]}..{keys[-1]}", t0, keys=len(keys))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -173,6 +197,7 @@ class Trainer:
     def synchronize(self) -> None:
         """Wait for every exchange still in flight: the weights are then the step's (or the
         summed gradients, with ``update_on_kvstore=False``)."""
+        self._send_bucket()
         while self._inflight:
             self._inflight.pop(next(iter(self._inflight))).wait()
 
@@ -247,13 +272,16 @@ class Trainer:
             self.update(batch_size)  # MXNet's step: allreduce_grads, then update
             return
         assert self._kv is not None
+        self._send_bucket()
         rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         if rest:  # the store's calls run under torch.no_grad()
             self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
-        if self._overlap:  # a pull per key: each layer's forward waits only for its own
-            for i, (key, *outs) in enumerate(zip(self._keys, *self._reps)):
-                self._inflight[i] = cast(Handle, self._kv.pull(key, outs, priority=-i, wait=False, _rescale=rescale))
+        if self._overlap:  # runs of keys in layer order: a layer's forward waits only for its run's pull
+            for run in self._runs:
+                handle = self._kv.pull([self._keys[i] for i in run], [[rep[i] for rep in self._reps] for i in run],
+                                       priority=-run[0], wait=False, _rescale=rescale)  # fmt: skip
+                self._inflight.update(dict.fromkeys(run, cast(Handle, handle)))
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)

@@ -12,6 +12,7 @@ from torch import nn
 
 import pskv
 from pskv.kv import KVStore
+from pskv.trainer import RUN_BYTES
 
 Job = Callable[..., Any]
 
@@ -381,10 +382,13 @@ def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_non
     return [p.detach().cpu() for p in net.parameters()]
 
 
+@pytest.mark.parametrize("run_bytes", [RUN_BYTES, 64], ids=["one push at the end", "pushes during backward"])
 @pytest.mark.parametrize("uok", [None, False])
-def test_overlap_gives_the_numbers_of_the_plain_path(inproc_job: Job, uok: Any) -> None:
-    """Gradients pushed from backward hooks, pulls waited for in forward pre-hooks: the same
-    weights as pushing everything in step (unused parameters, a smaller last batch, momentum)."""
+def test_overlap_gives_the_numbers_of_the_plain_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, uok: Any, run_bytes: int) -> None:
+    """Gradients pushed from backward hooks (in calls of ``run_bytes``, the rest when backward
+    ends), pulls in runs waited for in forward pre-hooks: the same weights as pushing everything in
+    step (unused parameters, a smaller last batch, momentum)."""
+    monkeypatch.setattr("pskv.trainer.RUN_BYTES", run_bytes)
     plain = inproc_job(2, 2).run_workers(lambda kv: _train(kv, False, uok))
     overlapped = inproc_job(2, 2).run_workers(lambda kv: _train(kv, True, uok))
     for worker in range(2):
