@@ -8,6 +8,8 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``pskv local``: one process, ``pskv.Trainer`` without a store;
 - ``pskv 1x1`` and ``pskv WxS``: ``pskv launch`` of W workers and S servers (``dist_device_sync``,
   the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
+  ``pskv WxS sum``: the same with ``update_on_kvstore=False`` (the servers sum, each worker's
+  optimizer updates on the device);
 - ``ddp``: W processes of DistributedDataParallel over gloo on the same device;
 - ``ddp hook``: the same DDP, its buckets exchanged through S servers by ``pskv.ddp_hook`` under
   ``pskv launch`` (``dist_device_sync``; gloo only for DDP's setup);
@@ -19,6 +21,9 @@ For each: samples/s (all workers), ms per step, and for pskv the time exposed af
 
     python benchmarks/train_step.py --device cuda --batch 128 [-n 2 -s 2] [--steps 30]
     python benchmarks/train_step.py --device cpu --batch 16 --steps 5      # a quick check of the script
+
+``TRAIN_STEP_PROFILE=prefix`` writes a torch.profiler table of 5 steps after warm-up, by CPU time,
+from rank 0 of each configuration (``prefix.<config><workers>.txt``).
 """
 
 from __future__ import annotations
@@ -71,13 +76,26 @@ def worker(args: argparse.Namespace) -> None:
             opt = pskv.DistributedOptimizer(opt, kv, op="sum")
             rank, world = kv.rank, kv.num_workers
     else:
-        kv = pskv.kv.create("dist_device_sync") if args.config == "pskv" else None
+        kv = pskv.kv.create("dist_device_sync") if args.config in ("pskv", "pskvsum") else None
         overlap = {"on": True, "off": False}.get(args.overlap) if kv is not None else None
-        trainer = pskv.Trainer(net.parameters(), "sgd", hyper, kvstore=kv, overlap=overlap)
+        on_kv = False if args.config == "pskvsum" else None  # "pskvsum": the servers sum, the worker's optimizer updates
+        trainer = pskv.Trainer(net.parameters(), "sgd", hyper, kvstore=kv, overlap=overlap, update_on_kvstore=on_kv)
         rank, world = (kv.rank, kv.num_workers) if kv is not None else (0, 1)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times, exposed = [], []
+    profile = os.environ.get("TRAIN_STEP_PROFILE")  # a torch.profiler table of 5 steps after warm-up, rank 0
+    prof = None
     for step in range(args.warmup + args.steps):
+        if profile and step == args.warmup and rank == 0:
+            acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            prof = torch.profiler.profile(activities=acts)
+            prof.__enter__()
+        if prof is not None and step == args.warmup + 5:
+            sync()
+            prof.__exit__(None, None, None)
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+            Path(f"{profile}.{args.config}{world}.txt").write_text(table)
+            prof = None
         sync()
         t0 = time.perf_counter()
         out = model(x)
@@ -118,7 +136,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> di
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
         env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or str(Path(tmp) / "t.json")}
-        if config in ("pskv", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
+        if config in ("pskv", "pskvsum", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
         elif config == "ddp":
             with socket.socket() as s:
@@ -145,6 +163,7 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--json", type=Path, default=HERE / "results" / "train_step.json")
+    p.add_argument("--skip", nargs="*", default=[], metavar="ROW", help='rows to leave out, by name ("pskv local" ...)')
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -152,24 +171,20 @@ def main() -> int:
         worker(argparse.Namespace(**{**vars(args), "config": args.worker}))
         return 0
     w, s = args.workers, args.servers
-    rows = {
-        "plain": run(args, "plain", 1, 0),
-        "pskv local": run(args, "local", 1, 0),
-        "pskv 1x1": run(args, "pskv", 1, 1),
-        f"pskv {w}x{s}": run(args, "pskv", w, s),
-        f"ddp x{w} (gloo)": run(args, "ddp", w, 0),
-        f"ddp hook {w}x{s}": run(args, "ddphook", w, s),
-        f"torch opt {w}x{s}": run(args, "torchopt", w, s),
-    }
-    base, ddp = rows["plain"], rows[f"ddp x{w} (gloo)"]
+    table = [("plain", "plain", 1, 0), ("pskv local", "local", 1, 0), ("pskv 1x1", "pskv", 1, 1),
+             (f"pskv {w}x{s}", "pskv", w, s), (f"pskv {w}x{s} sum", "pskvsum", w, s), (f"ddp x{w} (gloo)", "ddp", w, 0),
+             (f"ddp hook {w}x{s}", "ddphook", w, s), (f"torch opt {w}x{s}", "torchopt", w, s)]  # fmt: skip
+    rows = {name: run(args, config, n, m) for name, config, n, m in table if name not in args.skip}
+    base, ddp = rows.get("plain"), rows.get(f"ddp x{w} (gloo)")
     print(f"ResNet-18, batch {args.batch} per worker, {args.device}, median of {args.steps} steps")
     print(f"{'':18}{'samples/s':>11}{'ms/step':>9}{'after bwd':>11}{'/ plain':>9}{'/ ddp':>8}")
     for name, r in rows.items():
         sps = r["world"] * args.batch / r["step_s"]
         after = f"{1000 * r['after_backward_s']:.1f}" if "after_backward_s" in r else "-"
         r["samples_per_s"] = sps
-        print(f"{name:18}{sps:>11.0f}{1000 * r['step_s']:>9.1f}{after:>11}"
-              f"{sps / (args.batch / base['step_s']):>9.2f}{sps / (ddp['world'] * args.batch / ddp['step_s']):>8.2f}")  # fmt: skip
+        vs_plain = f"{sps / (args.batch / base['step_s']):.2f}" if base else "-"
+        vs_ddp = f"{sps / (ddp['world'] * args.batch / ddp['step_s']):.2f}" if ddp else "-"
+        print(f"{name:18}{sps:>11.0f}{1000 * r['step_s']:>9.1f}{after:>11}{vs_plain:>9}{vs_ddp:>8}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"device": args.device, "batch": args.batch, "rows": rows}, indent=2) + "\n")
     return 0
