@@ -125,7 +125,7 @@ class DistStore(KVStore):
 
     def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int) -> Handle:
         """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values.
-        The GPU values' parts are copied to their page-locked slots together (:meth:`_copy_out`), and
+        The GPU values' parts are copied to their page-locked slots together (:meth:`_copy`), and
         their rows wait for that copy's CUDA event (the I/O thread waits for it, not the caller)."""
         self._client.check()
         if self._async and self._optimizer is None:
@@ -276,7 +276,7 @@ class DistStore(KVStore):
                     gpus.add(first.device)
             else:
                 copies.append((torch.empty(meta.shape, dtype=meta.dtype), outs))
-        handle = self._client.handle(finish)
+        handle = self._client.handle(finish)  # (finish reads it: its staged answers)
         return handle, [buf for buf, _ in copies]
 
     def _sink(self, handle: Handle, meta: KeyMeta, buf: Tensor, p: Part) -> Sink:
