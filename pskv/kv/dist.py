@@ -110,20 +110,20 @@ class DistStore(KVStore):
 
     def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         t0 = timeline.now()
-        handle = self._queue_push(items, self._client.handle(), None, wait, int(held))
+        handle = self._queue_push(items, self._client.handle(), None, wait, int(held), priority)
         timeline.span("push (copy in, queue)", t0, keys=len(items))
         if wait:  # the caller may change its tensors once push returns: wait until zmq has the bytes
             self._client.flush()
-            self._client.wait_sent(handle.sent)
+            self._client.wait_sent(handle)
             return None
         return self._done(handle, False)
 
     def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
         """One request: push rows answered with the value once their round is complete (docs/DESIGN.md)."""
         handle, bufs = self._sinks(outs)
-        return self._done(self._queue_push(items, handle, bufs, wait, 0), wait)
+        return self._done(self._queue_push(items, handle, bufs, wait, 0, priority), wait)
 
-    def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int) -> Handle:
+    def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int, priority: int) -> Handle:
         """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values.
         The GPU values' parts are copied to their page-locked slots together (:meth:`_copy`), and
         their rows wait for that copy's CUDA event (the I/O thread waits for it, not the caller)."""
@@ -133,7 +133,7 @@ class DistStore(KVStore):
                                                 "optimizer: call set_optimizer first")
         def put(meta: KeyMeta, p: Part, row: list[int], frames: list[Any], entry: Any, ready: Any = None) -> None:
             nbytes = p.numel * meta.dtype.itemsize if frames else 0
-            self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready)
+            self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready, priority)
             if bufs is not None or not frames:  # the part's answer, or our shared slot, is in use until done
                 self._before_push[(meta.id, p.index)] = handle
 
@@ -303,15 +303,16 @@ class DistStore(KVStore):
         handle, bufs = self._sinks(items)
         for (meta, _), buf in zip(items, bufs):
             for p in self._parts[meta.id]:
-                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale=rescale)
+                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale=rescale, priority=priority)
         return self._done(handle, wait)
 
-    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None) -> None:
+    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None,
+                    priority: int = 0) -> None:
         where = (meta.id, p.index)
         rescale_bits = 0 if rescale is None else float_bits(rescale)
         shm_ok = rows is None and p.server in self._client.shm_servers
         row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None), rescale_bits, 0)
-        self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype))
+        self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype), priority=priority)
         self._before_push[where] = handle
 
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None:
@@ -325,7 +326,7 @@ class DistStore(KVStore):
                 r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
                 i0, i1 = torch.searchsorted(wanted, torch.tensor([r0, r1])).tolist()  # its rows of the (sorted) wanted
                 if i1 > i0:
-                    self._queue_pull(handle, meta, p, data[i0:i1], (wanted[i0:i1] - r0).contiguous())
+                    self._queue_pull(handle, meta, p, data[i0:i1], (wanted[i0:i1] - r0).contiguous(), priority=priority)
             results.append((meta, outs, row_lists, wanted, data))
         self._done(handle, True)
         for meta, outs, row_lists, wanted, data in results:

@@ -7,8 +7,9 @@ import math
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -34,7 +35,29 @@ FLUSH_IDLE = 0.0002
 FLUSH_DELAY = 0.002
 NOTHING: Any = object()  # a barrier that carries no value
 Sent = Callable[[float], bool]  # wait(timeout): true once a message's payload buffers may be reused
-Queued = tuple[Sequence[int], Sequence[Any], Entry, Any]  # a row, its frames, the call it serves, a CUDA event its bytes wait for
+
+
+class Queued(NamedTuple):  # a part's row waiting for its message
+    row: Sequence[int]
+    frames: Sequence[Any]
+    entry: Entry  # the call it serves
+    ready: Any  # a CUDA event its bytes wait for
+    nbytes: int
+    priority: int
+    seq: int  # its place in the queue
+
+
+def _by_priority(batch: list[Queued]) -> list[Queued]:
+    """``batch`` in the order to send: the highest priority first, then as queued; a part's later row
+    never goes before its earlier one (rounds reach a server in order), so it takes that one's priority if lower."""
+    batch.sort(key=lambda q: q.seq)
+    lowest: dict[tuple[int, int], int] = {}  # a part's priority so far
+    order = []
+    for q in batch:
+        part = (q.row[0], q.row[1])
+        lowest[part] = min(q.priority, lowest.get(part, q.priority))
+        order.append((-lowest[part], q.seq, q))
+    return [q for *_, q in sorted(order, key=lambda o: o[:2])]
 
 
 class WorkerClient(Node):
@@ -50,6 +73,9 @@ class WorkerClient(Node):
         self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
         self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
         self._pending_bytes: dict[int, int] = {}
+        self._queued_rows = 0  # rows ever queued: their order among equal priorities
+        self._in_flight: dict[int, deque[tuple[Sent, int]]] = {}  # server -> pushes zmq has not sent yet, their bytes
+        self._held_until: Optional[float] = None  # rows wait for a window: the I/O thread tries again then
         self._first_queued: Optional[float] = None  # rows queued without waiting: the first's time
         self._last_queued = 0.0
         self._dozing = True  # the I/O thread sleeps long (no rows queued lately): wake it for new ones
@@ -73,7 +99,7 @@ class WorkerClient(Node):
         """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
         self.join(None)
         self.lost_servers = {s for s, info in enumerate(self.servers) if info.get("lost")}
-        self._batch_bytes = config.batch_bytes(self.across_hosts)
+        self._batch_bytes, self._window = config.batch_bytes(self.across_hosts), config.window_bytes(self.across_hosts)
         if not self.servers:
             self.van.close(linger=0)
             self.data.close(linger=0)
@@ -132,7 +158,7 @@ class WorkerClient(Node):
         with self._lock:
             self.lost_servers.add(lost)
             unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
-        rows = [(kind, row, frames, entry, False) for kind, (row, frames, entry, _) in unsent]
+        rows = [(kind, q.row, q.frames, q.entry, False) for kind, q in unsent]
         for req in self.tracker.take(f"server {lost}"):
             if req.rows is None:  # a whole message (HELLO, INIT, SET_STATES...): the backup got its own
                 for entry in req.entries:
@@ -149,7 +175,8 @@ class WorkerClient(Node):
         for entry in counted:
             entry[0]._settle()
 
-    def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None) -> None:
+    def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None,
+              priority: int = 0) -> None:
         """Add a part's ``row`` and ``frames`` to ``server``'s next ``kind`` message, sent by :meth:`flush`
         (after the CUDA event ``ready``) or once the queued bytes reach ``PSKV_BATCH_BYTES``. With a
         replica, a push and a pull's rescale go to the backup too (acknowledged, not answered)."""
@@ -161,7 +188,8 @@ class WorkerClient(Node):
                         break  # a pull without a rescale: the backup has nothing to learn from it
                     row = (*row[:8], 0) if kind == Type.PUSH else (*row[:3], 0, row[4], row[5], 1)
                     entry = (entry[0], None, None)  # acknowledged: nothing to copy
-                self._pending.setdefault((s, kind), []).append((row, frames, entry, ready))
+                self._queued_rows += 1
+                self._pending.setdefault((s, kind), []).append(Queued(row, frames, entry, ready, nbytes, priority, self._queued_rows))
                 self._pending_bytes[s] = self._pending_bytes.get(s, 0) + nbytes
             full = self._pending_bytes.get(server, 0) >= self._batch_bytes
         if full and ready is not None:  # the I/O thread waits for the GPU's copy, not the caller (backward)
@@ -171,7 +199,9 @@ class WorkerClient(Node):
             self.flush([server])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
-        """Send the queued rows of ``servers`` (all by default): a PUSH, then a PULL message each; ``soon``:
+        """Send the queued rows of ``servers`` (all by default): PUSH, then PULL messages, the highest
+        priority first; pushes only while the server's connection holds less than ``PSKV_WINDOW_BYTES``
+        not sent yet (the rest wait, so that a more urgent push does not queue behind them); ``soon``:
         the I/O thread will (rows queued meanwhile join them)."""
         if soon:
             self._last_queued = time.monotonic()
@@ -180,32 +210,67 @@ class WorkerClient(Node):
                 if self._dozing:
                     self.van.wake()
             return
-        with self._sending:  # one flush at a time: messages leave in the order their rows were queued
+        with self._sending:  # one flush at a time
             with self._lock:
                 if servers is None:
                     self._first_queued = None
-                keys = sorted(k for k in self._pending if servers is None or k[0] in servers)  # PUSH before PULL
-                batches = [(k, self._pending.pop(k)) for k in keys]
-                for server, _ in keys:
-                    self._pending_bytes.pop(server, None)
-            for (server, kind), batch in batches:
-                for q in batch:
-                    if q[3] is not None:
-                        q[3].synchronize()  # a copy from a GPU into the bytes to send (rows may be queued meanwhile)
-                frames = [f for q in batch for f in q[1]]
-                table = (PUSH if kind == Type.PUSH else PULL).pack([q[0] for q in batch])
-                msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
-                req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q[2] for q in batch])
-                req.rows = [(q[0], q[1]) for q in batch] if self.replicas else None  # sent again on a failover
-                if server in self.shm_servers:  # answers may be slots of its shared memory
-                    pid = int(self.servers[server]["pid"])
-                    req.shared = lambda row, dtype, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
-                t0 = timeline.now()
-                waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
-                timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
-                if waiter is not None:
-                    for handle in {id(q[2][0]): q[2][0] for q in batch}.values():
-                        handle.sent.append(waiter)
+                # PUSH before PULL; a server's pushes stay queued, untouched, while its window is full
+                rooms = {k: self._room(k[0]) if k[1] == Type.PUSH else math.inf for k in self._pending if servers is None or k[0] in servers}
+                batches = [(k, self._pending.pop(k), room) for k, room in sorted(rooms.items()) if room > 0]
+                for (server, _), batch, _ in batches:
+                    self._pending_bytes[server] -= sum(q.nbytes for q in batch)
+            held = [(k, rest) for k, batch, room in batches if (rest := self._send(*k, _by_priority(batch), room))]
+            with self._lock:
+                for k, rest in held:  # back in the queue, before the rows queued meanwhile
+                    self._pending[k] = rest + self._pending.get(k, [])
+                    self._pending_bytes[k[0]] += sum(q.nbytes for q in rest)
+                held_back = self._window and any(kind == Type.PUSH for _, kind in self._pending)
+                self._held_until = time.monotonic() + FLUSH_DELAY / 2 if held_back else None
+            if held_back and self._dozing:
+                self.van.wake()
+
+    def _room(self, server: int) -> float:
+        """Bytes of pushes ``server``'s connection takes now: ``PSKV_WINDOW_BYTES`` less those zmq has not sent."""
+        if not self._window:
+            return math.inf
+        sent = self._in_flight.setdefault(server, deque())
+        while sent and sent[0][0](0):
+            sent.popleft()
+        return self._window - sum(n for _, n in sent)
+
+    def _send(self, server: int, kind: Type, batch: list[Queued], room: float) -> list[Queued]:
+        """Send ``batch`` to ``server`` in messages of about ``PSKV_BATCH_BYTES`` while ``room`` lasts; the rows left."""
+        while batch and room > 0:
+            size = n = 0
+            while n < len(batch) and size < self._batch_bytes:  # (as queue() sends: once the bytes reach a batch)
+                size, n = size + batch[n].nbytes, n + 1
+            room -= size
+            waiter = self._message(server, kind, batch[:n])
+            batch = batch[n:]
+            if waiter is not None and self._window:
+                self._in_flight[server].append((waiter, size))
+        return batch
+
+    def _message(self, server: int, kind: Type, batch: list[Queued]) -> Optional[Sent]:
+        """Send one message of ``batch``'s rows to ``server``; the wait for zmq to be done with its bytes."""
+        for q in batch:
+            if q.ready is not None:
+                q.ready.synchronize()  # a copy from a GPU into the bytes to send (rows may be queued meanwhile)
+        frames = [f for q in batch for f in q.frames]
+        table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
+        msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
+        req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
+        req.rows = [(q.row, q.frames) for q in batch] if self.replicas else None  # sent again on a failover
+        if server in self.shm_servers:  # answers may be slots of its shared memory
+            pid = int(self.servers[server]["pid"])
+            req.shared = lambda row, dtype, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
+        t0 = timeline.now()
+        waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
+        timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
+        if waiter is not None:
+            for handle in {id(q.entry[0]): q.entry[0] for q in batch}.values():
+                handle.sent.append(waiter)
+        return waiter
 
     def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:
         """Send ``msg`` to ``peer`` (the scheduler, or a server's connection); ``req`` fails if it cannot go."""
@@ -254,14 +319,20 @@ class WorkerClient(Node):
         for h in handles:
             h.wait()
 
-    def wait_sent(self, sent: Sequence[Sent]) -> None:
-        """Block until the payload buffers of these pushes may be reused (zmq has the bytes)."""
+    def wait_sent(self, handle: Handle) -> None:
+        """Block until the payload buffers of ``handle``'s pushes may be reused (zmq has the bytes); its
+        rows that wait for a window are sent first."""
         until = time.monotonic() + self.tracker.timeout
-        for waiter in sent:
-            while not waiter(0.25):
-                self.check()
-                if time.monotonic() > until:
-                    raise DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
+        while True:
+            for waiter in handle.sent:
+                while not waiter(0.25) and time.monotonic() < until:
+                    self.check()
+            with self._sending, self._lock:  # (not between a flush taking rows and sending them)
+                if not any(q.entry[0] is handle for rows in self._pending.values() for q in rows) and all(w(0) for w in handle.sent):
+                    return
+            if time.monotonic() > until:
+                raise DeadlineExceeded("push: the bytes were not handed to the network within PSKV_TIMEOUT")
+            time.sleep(FLUSH_IDLE)  # (the I/O thread sends them as the window opens)
 
     def barrier(self, group: str = "worker", value: Any = NOTHING) -> list[Any]:
         """Block until every node of ``group`` reaches it; every member's JSON ``value``, by rank ([]: none)."""
@@ -277,7 +348,7 @@ class WorkerClient(Node):
             if self.tracker.fatal is None:
                 self.flush()
                 until = time.monotonic() + self.tracker.timeout
-                while len(self.tracker) and time.monotonic() < until and self.tracker.fatal is None:
+                while (len(self.tracker) or self._pending) and time.monotonic() < until and self.tracker.fatal is None:
                     self._pump(0.05)
                 done = self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing")
                 until = time.monotonic() + 10.0
@@ -298,9 +369,11 @@ class WorkerClient(Node):
                 self._send_queued()
                 first, now = self._first_queued, time.monotonic()
                 # while calls come (rows queued in the last 50 ms), look often instead of being woken
-                self._dozing = now - self._last_queued > 0.05
-                due = None if first is None else min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE)
-                timeout = (0.25 if self._dozing else FLUSH_DELAY) if due is None else max(0.0, due - now)
+                self._dozing = now - self._last_queued > 0.05 and self._held_until is None
+                dues = [] if self._held_until is None else [self._held_until]  # (rows that wait for a window)
+                if first is not None:
+                    dues.append(min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE))
+                timeout = (0.25 if self._dozing else FLUSH_DELAY) if not dues else max(0.0, min(dues) - now)
                 for peer, msg in self.van.recv(timeout):
                     if isinstance(msg, PeerGone):
                         self.tracker.fail_all(self.lost(peer))
@@ -317,8 +390,8 @@ class WorkerClient(Node):
             self.van.close(linger=2.0)
 
     def _send_queued(self) -> None:
-        first = self._first_queued
-        if first is not None and time.monotonic() >= min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE):
+        first, held, now = self._first_queued, self._held_until, time.monotonic()
+        if (first is not None and now >= min(first + FLUSH_DELAY, self._last_queued + FLUSH_IDLE)) or (held is not None and now >= held):
             self.flush()
         with self._lock:
             queued, self._queued = self._queued, []

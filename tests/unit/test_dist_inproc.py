@@ -6,6 +6,7 @@ these run in seconds and cover the failure paths in detail.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -461,8 +462,9 @@ def test_a_push_waits_for_an_earlier_pull_of_the_same_key(inproc_job: Job) -> No
 
 @pytest.mark.parametrize("spans_hosts", [False, True])
 def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, spans_hosts: bool) -> None:
-    """Across hosts parts default to 1 MB and TCP batches to 256 KB (answers flow down a link while
-    pushes flow up); on one host to 4 MB and 8 MB; PSKV_CHUNK_BYTES / PSKV_BATCH_BYTES win over both."""
+    """Across hosts parts default to 1 MB, TCP batches to 256 KB (answers flow down a link while
+    pushes flow up) and the window to 4 MB; on one host to 4 MB, 8 MB and none; PSKV_CHUNK_BYTES /
+    PSKV_BATCH_BYTES win over both."""
     table = {"servers": [{"host": "10.0.0.1"}], "workers": [{"host": "10.0.0.2" if spans_hosts else "10.0.0.1"}]}
     assert Node.across_hosts.fget(type("Table", (), table)) is spans_hosts  # type: ignore[attr-defined]
     monkeypatch.setattr(Node, "across_hosts", property(lambda self: spans_hosts))
@@ -471,6 +473,7 @@ def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, m
         sizes = [p.numel * 4 for p in kv._parts[0]]  # type: ignore[attr-defined]
         assert max(sizes) <= (1 << 20 if spans_hosts else 4 << 20) and (len(sizes) > 1) == spans_hosts
         assert kv._client._batch_bytes == (256 << 10 if spans_hosts else 8 << 20)  # type: ignore[attr-defined]
+        assert kv._client._window == (4 << 20 if spans_hosts else 0)  # type: ignore[attr-defined]
     monkeypatch.setenv("PSKV_CHUNK_BYTES", "1048576")
     monkeypatch.setenv("PSKV_BATCH_BYTES", "65536")
     with inproc_job(1, 1).worker() as kv:
@@ -478,11 +481,50 @@ def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, m
         assert len(kv._parts[0]) == 4 and kv._client._batch_bytes == 65536  # type: ignore[attr-defined]
 
 
-def test_a_blocking_push_waits_for_every_batch_it_sent(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pushes_wait_for_the_window_and_leave_by_priority(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP at most PSKV_WINDOW_BYTES of pushes wait in a server's connection; the rows held back
+    leave the highest priority first, except that a key's later push never passes its earlier one
+    (the server would refuse its round). Values as without a window."""
+    monkeypatch.setenv("PSKV_SHM", "0")
+    monkeypatch.setenv("PSKV_WINDOW_BYTES", "1")
+    monkeypatch.setenv("PSKV_BATCH_BYTES", "1")
+    gate = threading.Event()  # zmq is "done" with no pushed bytes until it is set
+    with inproc_job(1, 1).worker() as kv:
+        keys = ["a", "b", "c", "d"]
+        kv.init(keys, [torch.zeros(100)] * 4)
+        van, order = kv._client.data, []  # type: ignore[attr-defined]
+        real = van.send
+
+        def send(peer: str, msg: Message, track: bool = False) -> Any:
+            if msg.type == Type.PUSH:
+                order.extend((keys[row.key], row.round) for row in PUSH.unpack(msg.frames[0]))
+            waiter = real(peer, msg, track)
+            return None if waiter is None else lambda timeout: gate.is_set() and waiter(timeout)
+
+        van.send = send
+        handles = [kv.push("a", torch.full((100,), 1.0), priority=0, wait=False)]  # leaves at once: the window is empty
+        time.sleep(0.05)  # (the I/O thread sends it)
+        handles += [kv.push(k, torch.full((100,), v), priority=p, wait=False) for k, v, p in
+                    [("b", 2.0, 0), ("b", 3.0, 10), ("c", 4.0, 5), ("d", 5.0, -1)]]  # fmt: skip
+        time.sleep(0.05)
+        assert order == [("a", 1)], "the window is full: the other pushes wait"
+        gate.set()
+        for h in handles:
+            h.wait()  # type: ignore[union-attr]
+        assert order == [("a", 1), ("c", 1), ("b", 1), ("b", 2), ("d", 1)]
+        outs = [torch.empty(100) for _ in keys]
+        kv.pull(keys, outs)
+        assert [o[0].item() for o in outs] == [1.0, 3.0, 4.0, 5.0]  # (no optimizer: the last round's sum)
+
+
+@pytest.mark.parametrize("window", ["0", "1"])
+def test_a_blocking_push_waits_for_every_batch_it_sent(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, window: str) -> None:
     """Over TCP a push leaves in PSKV_BATCH_BYTES messages as it is queued; it returns only once
-    zmq has the bytes of all of them, so the caller may change its tensor at once."""
+    zmq has the bytes of all of them (with a window of 1 byte, most wait to be sent first), so
+    the caller may change its tensor at once."""
     monkeypatch.setenv("PSKV_SHM", "0")
     monkeypatch.setenv("PSKV_BATCH_BYTES", "65536")
+    monkeypatch.setenv("PSKV_WINDOW_BYTES", window)
     job = inproc_job(1, 2)
     with job.worker() as kv:
         kv.init("w", torch.zeros(1100, 1000))
