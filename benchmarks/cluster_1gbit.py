@@ -12,8 +12,8 @@ In the same run, with the ResNet-18 payload (42 arrays, 44.7 MB) per round:
 - pskv ``dist_sync``: scheduler and workers on the worker hosts, servers on their own hosts,
   ``PSKV_SHM=0`` (the namespaces share one kernel); a round is ``kv.pushpull`` of all keys; then,
   as the Trainer pushes during backward, one ``pushpull`` per key from the last layer to the first
-  with priority -layer: the time until layer 0's value is back (the next forward's first wait)
-  and until all are;
+  with priority -layer: the time until layer 0's value is back (the next forward's first wait),
+  also counted from its own push, and until all are (``PSKV_WINDOW_BYTES`` lets it pass the others);
 - gloo ``all_reduce`` over the worker hosts: one flat 44.7 MB tensor, and the 42 tensors.
 
 The bound of a parameter server with servers on their own hosts is M/B (each link is full duplex:
@@ -154,21 +154,24 @@ def pskv_worker(rounds: int) -> None:
     grads = [torch.full(s, kv.rank + 1.0) for s in shapes()]
     outs = [torch.empty(s) for s in shapes()]
     w = kv.num_workers
-    times: dict[str, list[float]] = {"round": [], "first": [], "step": []}
+    times: dict[str, list[float]] = {"round": [], "first": [], "last": [], "step": []}
     for r in range(rounds + 1):
         kv.barrier()
         t0 = time.perf_counter()
         kv.pushpull(keys, grads, out=outs)
         times["round"].append(time.perf_counter() - t0)
+        kv.barrier()  # (checked while no one is timed)
         if not all(torch.all(o == w * (w + 1) / 2) for o in outs):
             raise SystemExit(f"worker {kv.rank}: wrong sums in round {r}")
         # as the Trainer does in backward: the last layer's gradient first, each key its own call
-        # with priority -layer; the next forward waits for layer 0 first
+        # with priority -layer; the next forward waits for layer 0 first, which is pushed last
         kv.barrier()
         t0 = time.perf_counter()
-        handles = [kv.pushpull(k, grads[k], out=outs[k], priority=-k, wait=False) for k in reversed(keys)]
-        handles[-1].wait()
+        handles = [kv.pushpull(k, grads[k], out=outs[k], priority=-k, wait=False) for k in reversed(keys[1:])]
+        t1 = time.perf_counter()
+        kv.pushpull(0, grads[0], out=outs[0], priority=0)
         times["first"].append(time.perf_counter() - t0)
+        times["last"].append(time.perf_counter() - t1)
         for h in handles:
             h.wait()
         times["step"].append(time.perf_counter() - t0)
@@ -288,6 +291,7 @@ def main() -> int:
             rows = {
                 "pskv pushpull": pskv["round"],
                 "pskv by layer: layer 0 back": pskv["first"],
+                "  from its push (pushed last)": pskv["last"],
                 "pskv by layer: all back": pskv["step"],
                 "gloo all_reduce, flat": run_gloo(args, "gloo-flat"),
                 "gloo all_reduce, 42 tensors": run_gloo(args, "gloo"),
@@ -295,7 +299,8 @@ def main() -> int:
     finally:
         down(n)
     nbytes = sum(4 * int(__import__("math").prod(s)) for s in shapes())
-    rate = float(args.rate.removesuffix("gbit")) * 1e9 / 8 if args.rate.endswith("gbit") else None
+    units = {"gbit": 1e9, "mbit": 1e6}
+    rate = next((float(args.rate[: -len(u)]) * f / 8 for u, f in units.items() if args.rate.endswith(u)), None)
     print(f"emulated cluster: {args.workers} worker hosts + {args.servers} server hosts, links {args.rate} both ways, "
           f"ResNet-18 payload {nbytes / 1e6:.1f} MB, {args.rounds} rounds")  # fmt: skip
     if rate:
