@@ -157,8 +157,8 @@ class WorkerClient(Node):
         live backup as pulls (the backups got the pushes)."""
         with self._lock:
             self.lost_servers.add(lost)
-            unsent = [(kind, q) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
-        rows = [(kind, q.row, q.frames, q.entry, False) for kind, q in unsent]
+            rows = [(kind, q.row, q.frames, q.entry, False) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
+            self._pending_bytes.pop(lost, None)  # (its rows go to the backup below)
         for req in self.tracker.take(f"server {lost}"):
             if req.rows is None:  # a whole message (HELLO, INIT, SET_STATES...): the backup got its own
                 for entry in req.entries:
