@@ -134,7 +134,7 @@ class DistStore(KVStore):
         def put(meta: KeyMeta, p: Part, row: list[int], frames: list[Any], entry: Any, ready: Any = None) -> None:
             nbytes = p.numel * meta.dtype.itemsize if frames else 0
             self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready, priority)
-            if bufs is not None or not frames:  # the part's answer, or our shared slot, is in use until done
+            if bufs is not None or not frames or ready is not None:  # its answer, or its slot (shared or page-locked), is in use until done
                 self._before_push[(meta.id, p.index)] = handle
 
         staged: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}  # per GPU: (slot, piece) to copy
@@ -216,7 +216,7 @@ class DistStore(KVStore):
         return out
 
     def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
-        """Each part and the round this push makes it, once its earlier pull or shared-slot push is done."""
+        """Each part and the round this push makes it, once its earlier pull or push from its slot is done."""
         for p in self._parts[meta.id]:
             where = (meta.id, p.index)
             earlier = self._before_push.pop(where, None)

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
+import pskv
 from pskv.kv import KVStore
 from tests.unit.test_trainer import _train
 
@@ -69,6 +70,24 @@ def test_two_pulls_of_one_key_in_flight_get_their_own_rounds(inproc_job: Job) ->
         return [first.min().item(), first.max().item(), second.min().item(), second.max().item()]
 
     assert inproc_job(2, 2).run_workers(body, "dist_sync") == [[2.0, 2.0, 20.0, 20.0]] * 2
+
+
+def test_a_second_push_of_a_gpu_key_waits_for_the_first_over_tcp(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP a GPU value is pushed from the part's page-locked slot; a second push of the key
+    before the first is answered waits for it, so the first leaves with its own values (each round
+    counts: the servers run SGD)."""
+    monkeypatch.setenv("PSKV_SHM", "0")
+    with inproc_job(1, 1).worker() as kv:
+        dev = torch.device("cuda", 0)
+        kv.init(0, torch.zeros(1200, 1000, device=dev))
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+        handles = [kv.push(0, torch.full((1200, 1000), v, device=dev), wait=False) for v in (2.0, 3.0)]
+        for h in handles:
+            assert h is not None
+            h.wait()
+        out = torch.full((1200, 1000), float("nan"), device=dev)
+        kv.pull(0, out)
+        assert torch.equal(out, torch.full_like(out, -5.0))
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])
