@@ -8,7 +8,7 @@ variable                   default  meaning
 ``PSKV_BIGARRAY_BOUND``    65536    arrays with at least this many elements are cut over all servers (MXNet: 1e6)
 ``PSKV_CHUNK_BYTES``       4 MB     big slices are cut into parts of at most this many bytes (0: not cut); 1 MB when the job spans hosts
 ``PSKV_BATCH_BYTES``       8 MB     a push goes to a TCP server in messages of about this many bytes; 256 KB when the job spans hosts
-``PSKV_WINDOW_BYTES``      0        pushes handed to a TCP server's connection and not yet sent, at most (0: any); later ones wait, the highest priority first; 4 MB when the job spans hosts
+``PSKV_WINDOW_BYTES``      0        pushes handed to a TCP server's connection and not yet sent, at most (0: any); later ones wait, the highest priority first; 4 MB when the job spans hosts; below 4 MB it caps the kernel's send buffer too
 ``PSKV_MAX_MESSAGE_BYTES`` 64 MB    a server disconnects a client that sends a bigger frame; at least 2 x ``PSKV_CHUNK_BYTES``
 ``PSKV_REPLICAS``          0        R: every part is also kept by the next R servers, and the job survives R lost servers (``pskv launch --replicas``)
 ``PSKV_MIN_WORKERS``       0        go on while this many workers live (``pskv launch --min-workers``); 0: a lost worker ends the job
@@ -78,9 +78,13 @@ def batch_bytes(across_hosts: bool) -> int:
     return getenv("PSKV_BATCH_BYTES", 256 << 10 if across_hosts else 8 << 20, least=1)
 
 
+KERNEL_SNDBUF = 4 << 20  # the most Linux lets a TCP send buffer grow to by default (net.ipv4.tcp_wmem)
+
+
 def window_bytes(across_hosts: bool) -> int:
-    """Bytes of pushes queued in a connection: what a later, more urgent push waits behind (benchmarks/RESULTS.md, 12)."""
-    return getenv("PSKV_WINDOW_BYTES", 4 << 20 if across_hosts else 0, least=0)
+    """Bytes of pushes zmq holds for a server's connection (a smaller window than KERNEL_SNDBUF caps the kernel's
+    send buffer too): what a later, more urgent push waits behind (benchmarks/RESULTS.md, 12 and 13)."""
+    return getenv("PSKV_WINDOW_BYTES", KERNEL_SNDBUF if across_hosts else 0, least=0)
 
 
 def max_frame_bytes() -> int:

@@ -105,9 +105,10 @@ class WorkerClient(Node):
             self.data.close(linger=0)
             raise ClusterError("this job has no servers (DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` or more, or use a local store")
         self.data.identity, self.data.max_frame = ("worker", self.rank), config.max_frame_bytes()
+        sndbuf = self._window // 2 if self._window < config.KERNEL_SNDBUF else 0  # (the kernel doubles it)
         for s, info in enumerate(self.servers):
             self.data.connect(f"server {s}", info["endpoint"])
-            self.data.connect(f"server {s}/tx", info["endpoint"], receive=False)
+            self.data.connect(f"server {s}/tx", info["endpoint"], receive=False, sndbuf=sndbuf)  # (pushes go on this one)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there

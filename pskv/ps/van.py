@@ -126,11 +126,14 @@ class Van:
         self._pipes[fd] = name
         self._poller.register(fd, zmq.POLLIN)
 
-    def connect(self, peer: str, endpoint: str, receive: bool = True, watch: bool = False) -> None:
+    def connect(self, peer: str, endpoint: str, receive: bool = True, watch: bool = False, sndbuf: int = 0) -> None:
         """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
-        (by one thread at a time, not necessarily the van's owner); ``watch``: report its end."""
+        (by one thread at a time, not necessarily the van's owner); ``watch``: report its end;
+        ``sndbuf``: the kernel's send buffer in bytes (0: the kernel sizes it)."""
         sock = self._socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))  # unguessable: a proof holds for this connection only
+        if sndbuf:
+            sock.setsockopt(zmq.SNDBUF, sndbuf)
         if self.encrypt:
             assert self.secret is not None
             sock.curve_serverkey = _curve_keys(self.secret, b"server")[0]

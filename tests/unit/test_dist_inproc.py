@@ -464,7 +464,7 @@ def test_a_push_waits_for_an_earlier_pull_of_the_same_key(inproc_job: Job) -> No
 def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, spans_hosts: bool) -> None:
     """Across hosts parts default to 1 MB, TCP batches to 256 KB (answers flow down a link while
     pushes flow up) and the window to 4 MB; on one host to 4 MB, 8 MB and none; PSKV_CHUNK_BYTES /
-    PSKV_BATCH_BYTES win over both."""
+    PSKV_BATCH_BYTES win over both. The kernel sizes the send buffers, unless a smaller window caps them."""
     table = {"servers": [{"host": "10.0.0.1"}], "workers": [{"host": "10.0.0.2" if spans_hosts else "10.0.0.1"}]}
     assert Node.across_hosts.fget(type("Table", (), table)) is spans_hosts  # type: ignore[attr-defined]
     monkeypatch.setattr(Node, "across_hosts", property(lambda self: spans_hosts))
@@ -474,11 +474,14 @@ def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, m
         assert max(sizes) <= (1 << 20 if spans_hosts else 4 << 20) and (len(sizes) > 1) == spans_hosts
         assert kv._client._batch_bytes == (256 << 10 if spans_hosts else 8 << 20)  # type: ignore[attr-defined]
         assert kv._client._window == (4 << 20 if spans_hosts else 0)  # type: ignore[attr-defined]
+        assert kv._client.data._dealers["server 0/tx"].getsockopt(zmq.SNDBUF) == -1  # type: ignore[attr-defined]
     monkeypatch.setenv("PSKV_CHUNK_BYTES", "1048576")
     monkeypatch.setenv("PSKV_BATCH_BYTES", "65536")
+    monkeypatch.setenv("PSKV_WINDOW_BYTES", "262144")
     with inproc_job(1, 1).worker() as kv:
         kv.init("w", torch.zeros(1000, 1000))
         assert len(kv._parts[0]) == 4 and kv._client._batch_bytes == 65536  # type: ignore[attr-defined]
+        assert kv._client.data._dealers["server 0/tx"].getsockopt(zmq.SNDBUF) == 131072  # type: ignore[attr-defined]  # (the kernel doubles it)
 
 
 def test_pushes_wait_for_the_window_and_leave_by_priority(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
