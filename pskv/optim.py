@@ -1,6 +1,7 @@
 """Optimizers that run where the weights live: in the worker's process or on the servers. An
 :class:`Optimizer` is a description that travels as JSON (docs/SPEC.md, section 4 and "Optimizers")
-plus update rules in torch ops that follow ``torch.optim``'s code operation by operation."""
+plus update rules in torch ops that follow ``torch.optim``'s code operation by operation (SGD: its
+fused kernel, the arithmetic of ``torch.optim.SGD(fused=True)``)."""
 
 from __future__ import annotations
 
@@ -44,24 +45,15 @@ def _rows(g: Tensor) -> tuple[Tensor, Tensor]:
 # weight) update the weight in place. The gradient has rescale_grad and clip_gradient applied; a
 # dense one may be the caller's unless _Rule.writes_grad (rows are unique and sorted; values are not written).
 def _sgd(h: Hyper, lr: float, states: Sequence[KeyState], gs: list[Tensor], ws: list[Tensor]) -> None:
-    """SGD of one key or of many on one device, with torch's foreach kernels (a few launches for all)."""
-    if h["wd"] != 0:
-        torch._foreach_add_(gs, ws, alpha=h["wd"])
+    """SGD of one key or of many on one device in torch's fused kernel, a call per dtype: one pass
+    over weight, gradient and momentum (the gradient is not written), as ``torch.optim.SGD(fused=True)``."""
     momentum = float(h["momentum"])
-    if momentum != 0:
-        bufs = [st.tensors["momentum_buffer"] for st in states]
-        old = [i for i, st in enumerate(states) if st.step > 1]
-        for i in set(range(len(states))) - set(old):
-            bufs[i].copy_(gs[i])
-        for i in old:  # one by one: foreach's in-place multiply rounds half types differently on the CPU
-            bufs[i].mul_(momentum)
-        if old:
-            torch._foreach_add_([bufs[i] for i in old], [gs[i] for i in old], alpha=1 - h["dampening"])
-        if h["nesterov"]:
-            torch._foreach_add_(gs, bufs, alpha=momentum)
-        else:
-            gs = bufs
-    torch._foreach_add_(ws, gs, alpha=-lr)
+    kinds = [(w.dtype, momentum != 0 and st.step <= 1) for w, st in zip(ws, states)]  # first step: momentum = gradient
+    for dtype, first in set(kinds):
+        ks = [k for k, x in enumerate(kinds) if x == (dtype, first)]
+        torch._fused_sgd_([ws[k] for k in ks], [gs[k] for k in ks], [states[k].tensors["momentum_buffer"] for k in ks] if momentum else [],
+                          weight_decay=float(h["wd"]), momentum=momentum, lr=lr, dampening=float(h["dampening"]),
+                          nesterov=bool(h["nesterov"]), maximize=False, is_first_step=first)
 
 
 def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
@@ -150,7 +142,7 @@ _ADAM: Hyper = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
 _RULES = {
     "sgd": _Rule({"momentum": 0.0, "dampening": 0.0, "nesterov": False},
                  lambda h: {"momentum_buffer": 0.0} if h["momentum"] != 0 else {},
-                 _sgd_dense, _sgd_sparse, lambda h: h["wd"] != 0 or bool(h["nesterov"])),
+                 _sgd_dense, _sgd_sparse, lambda h: False),
     "adam": _Rule(_ADAM, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0}, _adam_dense, _adam_sparse,
                   lambda h: True),
     "adamw": _Rule({**_ADAM, "wd": 0.01}, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
@@ -335,8 +327,8 @@ class Optimizer:
         self._rule.dense(h, lr, st, g, weight)
 
     def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
-        """:meth:`update` of many keys, the same numbers: dense sgd of tensors on one device with torch's
-        foreach kernels (a few launches for every parameter, not a few per parameter)."""
+        """:meth:`update` of many keys, the same numbers: dense sgd of tensors on one device in one call of
+        torch's fused kernel (a few launches for every parameter, not a few per parameter)."""
         h = self._hyper
         one_device = all(not g.is_sparse and g.device == grads[0].device for g in grads)
         if not grads or self.name != "sgd" or h["clip_gradient"] > 0 or not one_device:

@@ -115,3 +115,21 @@ def test_gpu_pushpull_into_several_outputs(inproc_job: Job, monkeypatch: pytest.
 
     want = [v for rnd in range(3) for v in [3.0 + 2 * rnd] * 10]
     assert inproc_job(2, 2).run_workers(body) == [want, want]
+
+
+def test_sgd_on_the_gpu_is_torchs_fused_sgd_per_dtype() -> None:
+    """The local Trainer's update on a GPU: one fused call per dtype (a GPU call takes one dtype),
+    the numbers of torch.optim.SGD(fused=True) key by key."""
+    dev, gen = torch.device("cuda", 0), torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float32, torch.float16]
+    ws = [torch.randn(300 + k, generator=gen).to(dev, dt) for k, dt in enumerate(dtypes)]
+    params = [torch.nn.Parameter(w.clone()) for w in ws]
+    opt = pskv.optim.create("sgd", learning_rate=0.1, momentum=0.9, wd=1e-3, rescale_grad=0.5)
+    theirs = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-3, fused=True)
+    for _ in range(3):
+        grads = [torch.randn(w.shape, generator=gen).to(dev, w.dtype) for w in ws]
+        opt.update_all(range(len(ws)), grads, ws)
+        for p, g in zip(params, grads):
+            p.grad = g * 0.5
+        theirs.step()
+    assert all(torch.equal(w, p.detach()) for w, p in zip(ws, params))

@@ -230,18 +230,18 @@ def test_apply_push_assigns_without_optimizer() -> None:
 
 
 @pytest.mark.parametrize("hyper", [{}, {"momentum": 0.9, "wd": 1e-3, "rescale_grad": 0.5}, {"momentum": 0.8, "nesterov": True}, {"momentum": 0.9, "dampening": 0.1}])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_update_all_is_update_key_by_key(hyper: dict, dtype: torch.dtype) -> None:
-    """The foreach path of the local Trainer: bitwise the numbers of one update per key, with keys
-    that join late (their momentum starts from their own first step)."""
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.bfloat16] * 3, [torch.float32, torch.float16, torch.float64]])
+def test_update_all_is_update_key_by_key(hyper: dict, dtypes: list[torch.dtype]) -> None:
+    """The path of the local Trainer (a fused call per dtype): bitwise the numbers of one update per
+    key, with keys that join late (their momentum starts from their own first step)."""
     gen = torch.Generator().manual_seed(0)
     shapes = [(5, 3), (7,), (2, 2, 2)]
     one, many = pskv.optim.create("sgd", learning_rate=0.1, **hyper), pskv.optim.create("sgd", learning_rate=0.1, **hyper)
-    w1 = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    w1 = [torch.randn(s, generator=gen).to(dt) for s, dt in zip(shapes, dtypes)]
     w2 = [w.clone() for w in w1]
     for step in range(4):
         keys = [0, 2] if step == 0 else [0, 1, 2]
-        grads = [torch.randn(shapes[k], generator=gen).to(dtype) for k in keys]
+        grads = [torch.randn(shapes[k], generator=gen).to(dtypes[k]) for k in keys]
         kept = [g.clone() for g in grads]
         for k, g in zip(keys, grads):
             one.update(k, g, w1[k])
