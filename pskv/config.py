@@ -16,7 +16,7 @@ variable                   default  meaning
 ``PSKV_SECRET``            (none)   the job's secret (``pskv launch`` makes one); or ``PSKV_SECRET_FILE``, a file only its owner reads
 ``PSKV_ENCRYPT``           0        1: encrypt every connection (CURVE, keys derived from the secret; slower, docs/DESIGN.md)
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
-``PSKV_SERVER_THREADS``    cores/2  torch threads of a server (1 to 4)
+``PSKV_SERVER_THREADS``    auto     torch threads of a server; auto (0): the host's cores shared among the job's processes on it
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
 ``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
 ``PSKV_LIFELINE``          (set)    ``fd:inode`` of a pipe from ``pskv launch``: its end stops every process of the job
@@ -63,7 +63,6 @@ start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0)
 heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0)
 verbose = partial(getenv, "PSKV_VERBOSE", False)
 min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0)
-server_threads = partial(getenv, "PSKV_SERVER_THREADS", max(1, min(4, (os.cpu_count() or 2) // 2)), least=1)
 replicas = partial(getenv, "PSKV_REPLICAS", 0, minimum=0)  # backups of each part
 bigarray_bound = partial(getenv, "PSKV_BIGARRAY_BOUND", 65_536, minimum=1)
 nonfinite = partial(getenv, "PSKV_NONFINITE", "error", choices=("error", "skip", "allow"))
@@ -121,3 +120,8 @@ def lifeline() -> Optional[int]:
 
 def heartbeat_interval() -> float:
     return min(getenv("PSKV_HEARTBEAT_INTERVAL", 1.0), heartbeat_timeout() / 3.0)
+
+
+def server_threads(processes_here: int) -> int:
+    """``PSKV_SERVER_THREADS``, or the cores this process may use shared among the job's ``processes_here``."""
+    return getenv("PSKV_SERVER_THREADS", 0, minimum=0) or max(1, len(os.sched_getaffinity(0)) // max(1, processes_here))

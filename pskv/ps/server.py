@@ -31,7 +31,7 @@ from .message import (
     tensor_frame,
     torch_dtype,
 )
-from .node import JobEnv, Node, failure, say
+from .node import JobEnv, Node, failure, host_identity, say
 from .rounds import Answer, InitEntry, Part, PullEntry, PushEntry, Rounds
 from .van import PeerGone
 
@@ -90,8 +90,8 @@ class Server(Node):
             self.van.close(linger=0)
             return 1
         if not self.env.inproc:
-            torch.set_num_threads(config.server_threads())
-        say(self.name, f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers)")
+            torch.set_num_threads(config.server_threads(sum(n.get("shm_host") == host_identity() for n in [*self.workers, *self.servers])))
+        say(self.name, f"serving on {endpoint} ({len(self.workers)} workers, {len(self.servers)} servers, {torch.get_num_threads()} threads)")
         timeline.start("server", self.rank)
         next_sweep = 0.0
         try:

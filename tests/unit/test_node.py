@@ -35,3 +35,16 @@ def test_reads_the_contract() -> None:
 def test_bad_environment_names_the_variable(change: dict[str, str], match: str) -> None:
     with pytest.raises(ClusterError, match=match):
         JobEnv.from_environ({**BASE, **change}).advertised_host()
+
+
+def test_a_server_shares_the_hosts_cores_with_the_jobs_processes_on_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pskv import config
+
+    monkeypatch.setattr(config.os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("PSKV_SERVER_THREADS", raising=False)
+    assert [config.server_threads(n) for n in (2, 4, 9, 40)] == [8, 4, 1, 1]  # 1 worker + 1 server, 2 + 2, ...
+    monkeypatch.setenv("PSKV_SERVER_THREADS", "3")
+    assert config.server_threads(2) == 3
+    monkeypatch.setenv("PSKV_SERVER_THREADS", "-1")
+    with pytest.raises(ValueError, match="PSKV_SERVER_THREADS='-1'"):
+        config.server_threads(2)
