@@ -23,7 +23,7 @@ For each: samples/s (all workers), ms per step, and for pskv the time exposed af
     python benchmarks/train_step.py --device cpu --batch 16 --steps 5      # a quick check of the script
 
 ``TRAIN_STEP_PROFILE=prefix`` writes a torch.profiler table of 5 steps after warm-up, by CPU time,
-from rank 0 of each configuration (``prefix.<config><workers>.txt``).
+from rank 0 of each configuration (``prefix.<config><workers>.txt``), and its Chrome trace (``.json``).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ def worker(args: argparse.Namespace) -> None:
             prof.__exit__(None, None, None)
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
             Path(f"{profile}.{args.config}{world}.txt").write_text(table)
+            prof.export_chrome_trace(f"{profile}.{args.config}{world}.json")  # CPU and GPU on one time axis
             prof = None
         sync()
         t0 = time.perf_counter()
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> di
         out = Path(tmp) / "r.json"
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
-        env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or str(Path(tmp) / "t.json")}
+        env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or os.environ.get("PSKV_TIMELINE") or str(Path(tmp) / "t.json")}
         if config in ("pskv", "pskvsum", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
         elif config == "ddp":
