@@ -27,6 +27,7 @@ from ..errors import (
 from ..optim import KeyState, Optimizer, apply_push
 
 PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
+ANSWER_BYTES = 4 << 20  # a pull that applies held updates answers what is done after about this many bytes of them
 
 
 @dataclass(eq=False)
@@ -254,8 +255,9 @@ class Rounds:
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
         return [self._answer(p, w) for w in ready]
 
-    def pull(self, req: Any, rank: int, entries: list[PullEntry]) -> list[Answer]:
-        """Answer each entry now if its round is complete (async: always), else when it is."""
+    def pull(self, req: Any, rank: int, entries: list[PullEntry], early: Optional[Callable[[list[Answer]], None]] = None) -> list[Answer]:
+        """Answer each entry now if its round is complete (async: always), else when it is. The
+        answers so far go to ``early`` after every ``ANSWER_BYTES`` of held updates a pull makes."""
         entries = _from_base(rank, entries)
         for e in entries:
             p = e.part
@@ -266,12 +268,17 @@ class Rounds:
             if p.mode == "sync" and e.round > p.rounds and (blocker := self._blocker(p, e.round)):
                 raise blocker
         out: list[Answer] = []
+        updated = 0
         for i, e in enumerate(entries):
             p = e.part
+            if early is not None and updated >= ANSWER_BYTES:
+                early(out)
+                out, updated = [], 0
             if e.rescale is not None and p.held is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 held, p.held = p.held, None  # the held round's update, with the rescale this pull brings
                 out += self._apply(p, held, e.rescale)
                 out += self._complete(p)
+                updated += p.nbytes
             elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
             w = Answer(req, i, e.round, e.rows)

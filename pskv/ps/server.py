@@ -9,6 +9,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -164,8 +165,8 @@ class Server(Node):
             self._outbox.pop(req, None)
             self._send(req.route, error_reply(req.msg, exc))
 
-    def _deliver(self, answers: list[Answer]) -> None:
-        """Gather the engine's answers into the outbox: one message per request per batch."""
+    def _deliver(self, answers: list[Answer], now: bool = False) -> None:
+        """Gather the engine's answers into the outbox: one message per request per batch (``now``: sent at once)."""
         for a in answers:
             req: _Request = a.req
             if a.error is not None:
@@ -180,6 +181,8 @@ class Server(Node):
             else:  # a sync value goes without a copy (docs/DESIGN.md, "Two data paths")
                 rows.append((a.entry, -1, 0, a.value.numel() * a.value.element_size()))
                 frames.append(tensor_frame(a.value))
+        if now:
+            self._flush()
 
     def _flush(self) -> None:
         t0 = timeline.now()
@@ -206,7 +209,7 @@ class Server(Node):
             timeline.span(f"PUSH from worker {rank}", t0, parts=len(pushes))
         elif msg.type == Type.PULL:
             pulls = self._pull_entries(msg, req)
-            self._deliver(self.rounds.pull(req, rank, pulls))
+            self._deliver(self.rounds.pull(req, rank, pulls, early=partial(self._deliver, now=True)))  # first parts first
             timeline.span(f"PULL from worker {rank}", t0, parts=len(pulls))
         elif msg.type == Type.SET_OPTIMIZER:
             self.rounds.set_optimizer(meta.get("optimizer"), bool(meta.get("keep_states")))

@@ -232,6 +232,24 @@ def test_a_held_round_waits_for_the_rescale_a_pull_brings() -> None:
     assert p.rounds == 2 and torch.allclose(p.value, torch.full((4, 1), 0.25 - 1.0 * 2))  # (not the held round's 0.25)
 
 
+def test_a_pull_of_held_rounds_answers_its_first_parts_before_it_updates_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Trainer's step pulls every key with the rescale: the forward needs the first layers
+    first, so their answers go out after every ANSWER_BYTES of updates, not after the last one."""
+    monkeypatch.setattr("pskv.ps.rounds.ANSWER_BYTES", 128)  # two parts of 16 floats
+    r = Rounds(1, timeout=10.0)
+    r.init("init", 0, "sync", [entry(key, numel=16, value=torch.ones(16)) for key in range(5)])
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0).describe(), keep_states=False)
+    parts = [r.part(key, 0) for key in range(5)]
+    r.push("push", 0, [PushEntry(p, 1, torch.full((16, 1), 2.0), False, held=True) for p in parts])
+    sent: list[tuple[list[Any], list[int]]] = []  # what went early, and the parts still held then
+    early = lambda done: sent.append((answered(done), [k for k, p in enumerate(parts) if p.held is not None]))  # noqa: E731
+    rest = r.pull("step", 0, [PullEntry(p, 1, rescale=0.5) for p in parts], early=early)
+    assert sent == [([("step", 0), ("step", 1)], [2, 3, 4]), ([("step", 2), ("step", 3)], [4])]
+    assert answered(rest) == [("step", 4)]
+    assert all(torch.all(p.value == 1 - 1.0 * 0.5 * 2) for p in parts)
+    assert len(r.pull("again", 0, [PullEntry(p, 1) for p in parts], early=early)) == 5 and len(sent) == 2  # no updates: all at the end
+
+
 def test_a_lost_worker_leaves_its_rounds_to_the_others() -> None:
     """``lose`` (PSKV_MIN_WORKERS): the lost worker's unmerged push is dropped, a waiting round
     completes with the others' pushes, later rounds need only them, and the lost worker is refused."""

@@ -387,9 +387,11 @@ def _train(kv: KVStore, overlap: bool, uok: Any, accumulate: int = 1, set_to_non
 def test_overlap_gives_the_numbers_of_the_plain_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, uok: Any, run_bytes: int) -> None:
     """Gradients pushed from backward hooks (in calls of ``run_bytes``, the rest when backward
     ends), pulls in runs waited for in forward pre-hooks: the same weights as pushing everything in
-    step (unused parameters, a smaller last batch, momentum)."""
+    step (unused parameters, a smaller last batch, momentum); the servers answering step's pulls
+    after every ``run_bytes`` of updates."""
     monkeypatch.setattr("pskv.trainer.RUN_BYTES", run_bytes)
     plain = inproc_job(2, 2).run_workers(lambda kv: _train(kv, False, uok))
+    monkeypatch.setattr("pskv.ps.rounds.ANSWER_BYTES", run_bytes)
     overlapped = inproc_job(2, 2).run_workers(lambda kv: _train(kv, True, uok))
     for worker in range(2):
         for a, b in zip(plain[worker], overlapped[worker]):
