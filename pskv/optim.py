@@ -327,8 +327,8 @@ class Optimizer:
         self._rule.dense(h, lr, st, g, weight)
 
     def update_all(self, keys: Sequence[int], grads: Sequence[Tensor], weights: Sequence[Tensor]) -> None:
-        """:meth:`update` of many keys, the same numbers: dense sgd of tensors on one device in one call of
-        torch's fused kernel (a few launches for every parameter, not a few per parameter)."""
+        """:meth:`update` of many keys, the same numbers: dense sgd of tensors on one device in torch's fused
+        kernel, a call per dtype (a few launches for every parameter, not a few per parameter)."""
         h = self._hyper
         one_device = all(not g.is_sparse and g.device == grads[0].device for g in grads)
         if not grads or self.name != "sgd" or h["clip_gradient"] > 0 or not one_device:
