@@ -2,7 +2,8 @@
 # The GPU checks in one run (benchmarks/RESULTS.md section 9): the CUDA tests, the training-step table,
 # pskv train with --amp on the GPU, one and two replicas in one process, the timeline picture.
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh          # from the repository root, on a machine with CUDA
-# DEV=cpu BATCH=4 STEPS=1 EPOCHS=1 checks the script itself on a machine without one.
+# DEV=cpu BATCH=4 STEPS=1 EPOCHS=1 checks the script itself on a machine without one. BASE=<dir of another
+# checkout> adds that checkout's pskv rows, for a comparison on the same machine.
 export PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/pyzmq*.whl  # (a machine without pyzmq: its wheel in .whl/)
 export PYTHONPATH=/tmp/site:$PWD OUT=${OUT:-/tmp/gpu}
@@ -15,6 +16,11 @@ echo "== CUDA tests"
 timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short tests/unit/test_cuda.py tests/unit/test_kv_semantics.py::test_device_store_on_cuda 2>&1 | tail -15
 echo "== train_step"
 timeout 120 python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
+if [ -n "$BASE" ]; then  # BASE=<another checkout>: its pskv rows, run from its own directory (python -m pskv,
+  echo "== train_step, pskv rows of $BASE"  # which starts the servers, takes the package of the working directory)
+  (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout 120 python3 "$OLDPWD/benchmarks/train_step.py" --device $DEV --batch $B -n 2 -s 2 --steps $S \
+    --warmup 5 --skip plain "pskv local" "ddp x2 (gloo)" "ddp hook 2x2" "torch opt 2x2" --json $OUT/train_step_base.json 2>&1 | grep -v "^\s*$" | tail -6)
+fi
 echo "== pskv train --amp, 2 workers x 2 servers, one device each"
 for amp in none bf16 fp16; do
   a=$([ $amp = none ] || echo "--amp $amp")
