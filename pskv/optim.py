@@ -67,7 +67,7 @@ def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w
     # lazy: the dense rule on the rows present, then those rows written back
     wr = w.index_select(0, rows)
     st_rows = KeyState(st.step, {n: t.index_select(0, rows) for n, t in st.tensors.items()})
-    _sgd_dense(h, lr, st_rows, vals.clone(), wr)
+    _sgd_dense(h, lr, st_rows, vals, wr)  # (the fused kernel does not write the gradient)
     w.index_copy_(0, rows, wr)
     for n, t in st_rows.tensors.items():
         st.tensors[n].index_copy_(0, rows, t)
