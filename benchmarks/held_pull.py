@@ -29,17 +29,21 @@ def worker(rounds: int) -> None:
 
     import pskv
     from pskv.app.models import parameter_shapes
+    from pskv.trainer import RUN_BYTES
 
     kv = pskv.kv.create("dist_sync")
     shapes = parameter_shapes("resnet18")
     keys = list(range(len(shapes)))
     kv.init(keys, [torch.zeros(s) for s in shapes])
     kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, momentum=0.9, wd=5e-4))
-    runs: list[list[int]] = [[]]
-    for k in range(len(shapes)):  # the Trainer's runs (trainer.RUN_BYTES)
-        if sum(torch.Size(shapes[j]).numel() * 4 for j in runs[-1]) >= 4 << 20:
+    runs: list[list[int]] = [[]]  # the Trainer's runs
+    run_bytes = 0
+    for k, s in enumerate(shapes):
+        if run_bytes >= RUN_BYTES:
             runs.append([])
+            run_bytes = 0
         runs[-1].append(k)
+        run_bytes += torch.Size(s).numel() * 4
     grads, outs = [torch.randn(s) for s in shapes], [torch.empty(s) for s in shapes]
     first, last = [], []
     for r in range(rounds + 3):
