@@ -190,6 +190,8 @@ class ProcessContext:
                     return self._stop(0, f"the job finished; stopped {', '.join(left)}, declared lost earlier")
                 self._drain()
                 return 0
+            if finished_at is not None and not self.started and any(p.name == "scheduler" for p in self.procs):
+                return self._stop(0, f"the workers finished before the job started (none made a dist store); stopped {', '.join(alive)}")
             if finished_at is not None and time.monotonic() - finished_at > finish_timeout:
                 return self._stop(1, f"the workers finished but {', '.join(alive)} did not exit within {finish_timeout:g} s; stopped them")
             if timeout is not None and time.monotonic() - started > timeout:

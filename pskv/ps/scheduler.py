@@ -167,11 +167,11 @@ class Scheduler:
             free = iter(r for r in range(len(nodes)) if r not in taken)
             for n in nodes:
                 n.rank = n.meta["id"] if n.meta.get("id") is not None else next(free)
+        self.started = True
+        self._tell("started")  # first: pskv launch knows before a worker can have finished (ProcessContext.wait)
         for n in self.nodes.values():
             n.last_seen = time.monotonic()
             self._send(n, Message(Type.NODES, meta={"rank": n.rank, **self._table()}))
-        self.started = True
-        self._tell("started")
         say("scheduler", "all nodes registered; job started")
 
     def _table(self) -> dict[str, list[dict[str, Any]]]:

@@ -137,6 +137,15 @@ def test_shell_command_string(tmp_path: Path) -> None:
     assert "[worker 0] hello 0" in res.stdout and "[worker 1] hello 1" in res.stdout, res
 
 
+def test_workers_that_never_make_a_store_end_the_job_at_once(tmp_path: Path) -> None:
+    """A script that never makes a dist store: the scheduler and server are stopped as soon as the
+    workers finish (they used to wait out the 60 s finish timeout and fail the job)."""
+    res = launch(tmp_path, "print('no store here')", 2, 1, timeout=30)
+    assert res.code == 0, res
+    assert res.stdout.count("no store here") == 2, res
+    assert "the workers finished before the job started (none made a dist store); stopped scheduler, server 0" in res.stderr, res
+
+
 def test_bad_arguments_are_clear(tmp_path: Path) -> None:
     res = run(
         [
