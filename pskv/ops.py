@@ -13,8 +13,6 @@ def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
     dense = [v for v in values if not v.is_sparse]
     sparse = [v for v in values if v.is_sparse]
     if not dense:
-        if len(sparse) == 1:
-            return sparse[0].to(device, copy=True).coalesce()
         idx = torch.cat([s.coalesce().indices().to(device) for s in sparse], dim=1)
         val = torch.cat([s.coalesce().values().to(device) for s in sparse], dim=0)
         return torch.sparse_coo_tensor(idx, val, sparse[0].shape, check_invariants=False).coalesce()

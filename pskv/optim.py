@@ -56,10 +56,6 @@ def _sgd(h: Hyper, lr: float, states: Sequence[KeyState], gs: list[Tensor], ws: 
                           nesterov=bool(h["nesterov"]), maximize=False, is_first_step=first)
 
 
-def _sgd_dense(h: Hyper, lr: float, st: KeyState, g: Tensor, w: Tensor) -> None:
-    _sgd(h, lr, [st], [g], [w])
-
-
 def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor) -> None:
     if h["wd"] == 0 and h["momentum"] == 0:
         w.index_add_(0, rows, vals, alpha=-lr)  # what torch.optim.SGD does with a sparse grad
@@ -67,7 +63,7 @@ def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w
     # lazy: the dense rule on the rows present, then those rows written back
     wr = w.index_select(0, rows)
     st_rows = KeyState(st.step, {n: t.index_select(0, rows) for n, t in st.tensors.items()})
-    _sgd_dense(h, lr, st_rows, vals, wr)  # (the fused kernel does not write the gradient)
+    _sgd(h, lr, [st_rows], [vals], [wr])  # (the fused kernel does not write the gradient)
     w.index_copy_(0, rows, wr)
     for n, t in st_rows.tensors.items():
         st.tensors[n].index_copy_(0, rows, t)
@@ -142,7 +138,7 @@ _ADAM: Hyper = {"beta1": 0.9, "beta2": 0.999, "epsilon": 1e-8}
 _RULES = {
     "sgd": _Rule({"momentum": 0.0, "dampening": 0.0, "nesterov": False},
                  lambda h: {"momentum_buffer": 0.0} if h["momentum"] != 0 else {},
-                 _sgd_dense, _sgd_sparse, lambda h: False),
+                 lambda h, lr, st, g, w: _sgd(h, lr, [st], [g], [w]), _sgd_sparse, lambda h: False),
     "adam": _Rule(_ADAM, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0}, _adam_dense, _adam_sparse,
                   lambda h: True),
     "adamw": _Rule({**_ADAM, "wd": 0.01}, lambda h: {"exp_avg": 0.0, "exp_avg_sq": 0.0},
@@ -254,18 +250,10 @@ class Optimizer:
             raise OptimizerError("nesterov needs momentum > 0 and dampening == 0 (as torch.optim.SGD)")
         self._hyper = new
 
-    @property
-    def hyper(self) -> Hyper:
-        """All hyperparameters, defaults filled in (a copy)."""
-        return dict(self._hyper)
-
-    @property
-    def lr_scheduler(self) -> Optional[dict[str, Any]]:
-        return None if self._schedule is None else dict(self._schedule)
-
     def describe(self) -> dict[str, Any]:
-        """The JSON-able description (what travels): ``{"name", "hyper", "lr_scheduler"}``."""
-        return {"name": self.name, "hyper": self.hyper, "lr_scheduler": self.lr_scheduler}
+        """The JSON-able description (what travels): ``{"name", "hyper", "lr_scheduler"}``, copies."""
+        sched = None if self._schedule is None else dict(self._schedule)
+        return {"name": self.name, "hyper": dict(self._hyper), "lr_scheduler": sched}
 
     @classmethod
     def from_description(cls, desc: Mapping[str, Any]) -> Optimizer:

@@ -79,7 +79,7 @@ class KVStore:
     rejoined = False  # a worker restarted in a lost one's place (pskv launch --max-restarts): see allgather
 
     def __init__(self, type_name: str):
-        self._type = type_name
+        self.type = type_name  # e.g. "local" or "dist_sync"
         self._keys: dict[Key, KeyMeta] = {}
         self._key_kind: Optional[builtins.type] = None
         self._optimizer: Optional[Optimizer] = None
@@ -88,11 +88,6 @@ class KVStore:
         self._lock = threading.RLock()
         self._on_device = type_name in ("device", "dist_device_sync")
         self._values: dict[int, Tensor] = {}  # an in-process store's values
-
-    @property
-    def type(self) -> str:
-        """The store's type name, e.g. ``"local"`` or ``"dist_sync"``."""
-        return self._type
 
     @property
     def rank(self) -> int:
