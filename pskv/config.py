@@ -31,6 +31,8 @@ import stat
 from functools import partial
 from typing import Optional, TypeVar
 
+from .errors import ConfigError
+
 T = TypeVar("T", int, float, str, bool)
 
 
@@ -53,7 +55,7 @@ def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optiona
             raise ValueError(raw)
     except ValueError:
         rule = f" >= {minimum}" if minimum is not None else f": one of {', '.join(choices)}" if choices else ""
-        raise ValueError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}{rule}") from None
+        raise ConfigError(f"environment variable {name}={raw!r} is not a valid {type(default).__name__}{rule}") from None
     return value if least is None else max(least, value)
 
 
@@ -66,6 +68,8 @@ min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0)
 replicas = partial(getenv, "PSKV_REPLICAS", 0, minimum=0)  # backups of each part
 bigarray_bound = partial(getenv, "PSKV_BIGARRAY_BOUND", 65_536, minimum=1)
 nonfinite = partial(getenv, "PSKV_NONFINITE", "error", choices=("error", "skip", "allow"))
+encrypt = partial(getenv, "PSKV_ENCRYPT", False)
+shm = partial(getenv, "PSKV_SHM", "auto", choices=("auto", "0", "1"))
 
 
 def chunk_bytes(across_hosts: bool) -> int:
@@ -97,13 +101,13 @@ def secret() -> Optional[bytes]:
     if not value and path:
         try:
             if os.stat(path).st_mode & 0o077:
-                raise ValueError(f"PSKV_SECRET_FILE={path} may be read by others; `chmod 600 {path}`")
+                raise ConfigError(f"PSKV_SECRET_FILE={path} may be read by others; `chmod 600 {path}`")
             with open(path) as f:
                 value = f.read().strip()
         except OSError as exc:
-            raise ValueError(f"PSKV_SECRET_FILE={path}: {exc.strerror or exc}") from None
+            raise ConfigError(f"PSKV_SECRET_FILE={path}: {exc.strerror or exc}") from None
     if value and len(value) < 16:
-        raise ValueError("the job's secret (PSKV_SECRET or PSKV_SECRET_FILE) must have at least 16 characters")
+        raise ConfigError("the job's secret (PSKV_SECRET or PSKV_SECRET_FILE) must have at least 16 characters")
     return value.encode() if value else None
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [  # the error classes: what ``from pskv.errors import *`` gives
-    "ClusterError", "CompressionError", "DTypeMismatchError", "DeadlineExceeded", "DuplicateInitError",
+    "ClusterError", "CompressionError", "ConfigError", "DTypeMismatchError", "DeadlineExceeded", "DuplicateInitError",
     "InvalidValueError", "KVStoreError", "KeyNotInitializedError", "KeyTypeError", "LaunchError",
     "NodeFailedError", "NonFiniteError", "OptimizerError", "OptimizerRequiredError", "PSKVError", "ProtocolError",
     "ShapeMismatchError", "SparseError", "StoreClosedError", "TrainerError", "ValueCountError",
@@ -34,6 +34,7 @@ class OptimizerError(PSKVError, ValueError): ...  # unknown optimizer, bad hyper
 class CompressionError(PSKVError, ValueError): ...  # bad gradient-compression parameters
 class TrainerError(PSKVError, ValueError): ...  # a Trainer given parameters or settings it cannot use
 class ClusterError(PSKVError): ...  # the distributed system could not do what was asked
+class ConfigError(ClusterError, ValueError): ...  # a PSKV_* variable that does not parse (pskv.config)
 class DeadlineExceeded(ClusterError, TimeoutError): ...  # a blocking call ran past ``PSKV_TIMEOUT``
 class NodeFailedError(ClusterError): ...  # a scheduler/server/worker died or left
 class ProtocolError(ClusterError): ...  # a malformed message arrived

@@ -70,12 +70,12 @@ class DistStore(KVStore):
 
     @property
     def num_workers(self) -> int:
-        return self._client.num_workers
+        return len(self._client.workers)
 
     @property
     def num_servers(self) -> int:
         """How many servers hold the keys."""
-        return self._client.num_servers
+        return len(self._client.servers)
 
     @property
     def _shm_servers(self) -> set[int]:

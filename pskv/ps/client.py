@@ -87,14 +87,6 @@ class WorkerClient(Node):
         self.replicas = config.replicas()
         self.lost_servers: set[int] = set()  # their parts are served by their backups (PSKV_REPLICAS)
 
-    @property
-    def num_workers(self) -> int:
-        return len(self.workers)
-
-    @property
-    def num_servers(self) -> int:
-        return len(self.servers)
-
     def start(self) -> None:
         """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
         self.join(None)
@@ -113,7 +105,7 @@ class WorkerClient(Node):
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there
             self.wait([self.send(s, Message(Type.HELLO, meta={"rank": self.rank, "answers": answers}), "hello") for s in self.live_servers()])
-        want = "0" if self.replicas else shm.mode()  # (a backup gets every push: over TCP)
+        want = "0" if self.replicas else config.shm()  # (a backup gets every push: over TCP)
         for s, info in enumerate(self.servers if want != "0" else []):
             try:
                 if not host_identity() or info.get("shm_host") != host_identity():
@@ -147,11 +139,12 @@ class WorkerClient(Node):
     def holders(self, server: int) -> list[int]:
         """The live servers that keep ``server``'s parts, the one that answers first: it and its backups,
         the next ``PSKV_REPLICAS`` servers of the ring, which get every push too (docs/DESIGN.md)."""
-        ring = [(server + i) % self.num_servers for i in range(min(self.replicas, self.num_servers - 1) + 1)]
+        n = len(self.servers)
+        ring = [(server + i) % n for i in range(min(self.replicas, n - 1) + 1)]
         return [s for s in ring if s not in self.lost_servers]
 
     def live_servers(self) -> list[int]:
-        return [s for s in range(self.num_servers) if s not in self.lost_servers]
+        return [s for s in range(len(self.servers)) if s not in self.lost_servers]
 
     def _failover(self, lost: int) -> None:
         """Server ``lost`` is gone: what was queued for it, or sent and not answered, goes to its next

@@ -68,16 +68,10 @@ class Scheduler:
         nodes = [n for n in self.nodes.values() if group in (n.role, "all") and not n.lost and not n.joining]
         return sorted(nodes, key=lambda n: (n.role, n.rank))  # "server" < "worker"
 
-    def _send(self, node: _Node, msg: Message) -> None:
-        try:
-            self.van.send(node.peer, msg)
-        except Exception as exc:  # a peer that vanished must not take the scheduler down
-            say("scheduler", f"could not send {msg.type.name} to {node}: {exc}")
-
     def _broadcast(self, msg: Message, roles: tuple[str, ...] = ("server", "worker")) -> None:
         for node in self.nodes.values():
             if node.role in roles and not node.finished:
-                self._send(node, msg)
+                self.van.post(node.peer, msg)
 
     def run(self) -> int:
         bound = self.van.listen(self.env.scheduler_endpoint, max_frame=MAX_META)
@@ -94,12 +88,12 @@ class Scheduler:
                     if isinstance(msg, PeerGone):
                         self._gone(peer)
                     elif isinstance(msg, Exception):
-                        self.van.send(peer, error_reply(None, msg))
+                        self.van.post(peer, error_reply(None, msg))
                     else:
                         try:
                             self._handle(peer, msg)
                         except ClusterError as exc:
-                            self.van.send(peer, error_reply(msg, exc))
+                            self.van.post(peer, error_reply(msg, exc))
                 now = time.monotonic()
                 if not self.started and now > start_deadline:
                     self._fail_start()
@@ -125,7 +119,7 @@ class Scheduler:
         if node is None:
             raise ClusterError(f"{msg.type.name} from a node that has not registered")
         if msg.type == Type.HEARTBEAT:
-            self._send(node, Message(Type.HEARTBEAT_ACK))
+            self.van.post(node.peer, Message(Type.HEARTBEAT_ACK))
         elif msg.type == Type.BARRIER:
             self._barrier(node, msg)
         elif msg.type == Type.FINALIZE:
@@ -171,7 +165,7 @@ class Scheduler:
         self._tell("started")  # first: pskv launch knows before a worker can have finished (ProcessContext.wait)
         for n in self.nodes.values():
             n.last_seen = time.monotonic()
-            self._send(n, Message(Type.NODES, meta={"rank": n.rank, **self._table()}))
+            self.van.post(n.peer, Message(Type.NODES, meta={"rank": n.rank, **self._table()}))
         say("scheduler", "all nodes registered; job started")
 
     def _table(self) -> dict[str, list[dict[str, Any]]]:
@@ -183,7 +177,7 @@ class Scheduler:
         """A worker registers in the place of lost worker ``rank`` (pskv launch --max-restarts): it
         gets that rank now, and is admitted at the workers' next allgather (see ``_release``)."""
         node = self.nodes[peer] = _Node(peer, "worker", meta, rank, joining=True)
-        self._send(node, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
+        self.van.post(node.peer, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
         say("scheduler", f"worker {rank} is back from {meta.get('hostname')} pid {meta.get('pid')}; it joins at the next allgather")
 
     def _fail_start(self) -> None:
@@ -196,7 +190,7 @@ class Scheduler:
                    f"{'; not registered: ' + ', '.join(absent) if absent else ''}")
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
-            self._send(n, error_reply(None, exc))
+            self.van.post(n.peer, error_reply(None, exc))
         print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
         self.status = 1
 
@@ -232,12 +226,12 @@ class Scheduler:
             values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
             meta = {"values": values} if any("value" in (bar.waiting[n.peer].meta or {}) for n in members) else None
             for n in members:
-                self._send(n, bar.waiting[n.peer].reply(Type.OK, meta=meta))
+                self.van.post(n.peer, bar.waiting[n.peer].reply(Type.OK, meta=meta))
 
     def _fail_barrier(self, group: str, exc: Exception) -> None:
         bar = self.barriers.pop(group)
         for peer, req in bar.waiting.items():
-            self._send(self.nodes[peer], error_reply(req, exc))
+            self.van.post(self.nodes[peer].peer, error_reply(req, exc))
 
     def _check_barriers(self, now: float) -> None:
         for group, bar in list(self.barriers.items()):
@@ -251,7 +245,7 @@ class Scheduler:
         if node.role != "worker":
             raise ClusterError("only workers finalize")
         node.finished = True
-        self._send(node, msg.reply(Type.OK))
+        self.van.post(node.peer, msg.reply(Type.OK))
         say("scheduler", f"{node} finished")
         if node.lost or node.joining:  # the rounds go on without it already
             return
@@ -266,7 +260,7 @@ class Scheduler:
             self._tell("ended")
             for node in [n for n in self.nodes.values() if n.joining]:  # too late to rejoin
                 exc = ClusterError(f"the job ended (every other worker finished) before {node} could rejoin it")
-                self._send(node, error_reply(self.admits.pop(node.peer, None), exc))
+                self.van.post(node.peer, error_reply(self.admits.pop(node.peer, None), exc))
                 self._let_go(node, str(exc))
             self._broadcast(Message(Type.SHUTDOWN), roles=("server",))
             self.status = 0

@@ -73,7 +73,7 @@ class Server(Node):
     def __init__(self, env: JobEnv):
         super().__init__(env)
         self.status: Optional[int] = None
-        self.shm = shm.mode() != "0"
+        self.shm = config.shm() != "0"
         self.shared = shm.Shared()
         self.ranks: dict[str, int] = {}  # connection -> the worker that said HELLO on it
         self.reply_to: dict[str, str] = {}  # connection -> where the answers to its requests go
@@ -125,7 +125,7 @@ class Server(Node):
             if not peer.startswith("client:") and self.status is None:
                 self._stop(self.lost(peer))
         elif isinstance(msg, ProtocolError):
-            self._send(peer, error_reply(None, msg))
+            self.van.post(peer, error_reply(None, msg))
         elif peer == "scheduler":
             self.last_heard = time.monotonic()
             self._control(msg)
@@ -148,22 +148,16 @@ class Server(Node):
         elif msg.type == Type.WORKER_BACK:
             for rank in (msg.meta or {})["ranks"]:
                 self.rounds.rejoin(int(rank))
-            self._send("scheduler", msg.reply(Type.OK))
+            self.van.post("scheduler", msg.reply(Type.OK))
         elif msg.type == Type.NODE_FAILED:
             self._stop(failure(msg))
-
-    def _send(self, peer: str, msg: Message) -> None:
-        try:
-            self.van.send(peer, msg)
-        except Exception as exc:
-            print(f"pskv {self.name}: could not answer {peer}: {exc}", file=sys.stderr, flush=True)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         """Answer the whole request with an error; later answers to it are dropped."""
         if not req.failed:
             req.failed = True
             self._outbox.pop(req, None)
-            self._send(req.route, error_reply(req.msg, exc))
+            self.van.post(req.route, error_reply(req.msg, exc))
 
     def _deliver(self, answers: list[Answer], now: bool = False) -> None:
         """Gather the engine's answers into the outbox: one message per request per batch (``now``: sent at once)."""
@@ -190,7 +184,7 @@ class Server(Node):
         self._outbox.clear()
         for req, (rows, frames) in out:
             kind = Type.DATA if any(nbytes for *_, nbytes in rows) else Type.OK
-            self._send(req.route, req.msg.reply(kind, frames=[ANSWER.pack(rows), *frames]))
+            self.van.post(req.route, req.msg.reply(kind, frames=[ANSWER.pack(rows), *frames]))
         if out:
             timeline.span("answer", t0, requests=len(out))
 
@@ -213,17 +207,17 @@ class Server(Node):
             timeline.span(f"PULL from worker {rank}", t0, parts=len(pulls))
         elif msg.type == Type.SET_OPTIMIZER:
             self.rounds.set_optimizer(meta.get("optimizer"), bool(meta.get("keep_states")))
-            self._send(req.route, msg.reply(Type.OK))
+            self.van.post(req.route, msg.reply(Type.OK))
         elif msg.type == Type.GET_STATES:
             self._get_states(req)
         elif msg.type == Type.SET_STATES:
             self._set_states(msg)
-            self._send(req.route, msg.reply(Type.OK))
+            self.van.post(req.route, msg.reply(Type.OK))
         elif msg.type == Type.SHM_PROBE:  # map the worker's arena (checking its token), tell it where ours is
             if not self.shm:
                 raise ProtocolError(f"{self.name} does not use shared memory (PSKV_SHM=0)")
             self.shared.accept(meta, int(self.workers[rank]["pid"]))
-            self._send(req.route, msg.reply(Type.OK, meta=self.shared.probe()))
+            self.van.post(req.route, msg.reply(Type.OK, meta=self.shared.probe()))
         else:
             raise ProtocolError(f"a server does not handle {msg.type.name}")
 
@@ -240,7 +234,7 @@ class Server(Node):
             raise ProtocolError(f"worker {rank} must say HELLO on its answer connection first")
         self.ranks[peer] = rank
         req.route = self.reply_to[peer] = self.routes[rank]
-        self._send(req.route, req.msg.reply(Type.OK))
+        self.van.post(req.route, req.msg.reply(Type.OK))
 
     def _init_entries(self, msg: Message) -> list[InitEntry]:
         with _Frames(msg) as frames:  # worker 0's INIT brings a value per part
@@ -320,7 +314,7 @@ class Server(Node):
         parts = [{"key": p.key, "part": p.index, "step": st.step, "names": sorted(st.tensors)} for p, st in states]
         frames: list[Any] = [tensor_frame(st.tensors[n].contiguous().clone()) for _, st in states for n in sorted(st.tensors)]
         meta = {"optimizer": opt.describe() if opt else None, "num_update": opt.num_update if opt else 0, "parts": parts}
-        self._send(req.route, req.msg.reply(Type.DATA, meta=meta, frames=frames))
+        self.van.post(req.route, req.msg.reply(Type.DATA, meta=meta, frames=frames))
 
     def _set_states(self, msg: Message) -> None:
         meta = msg.meta or {}

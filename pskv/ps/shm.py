@@ -11,20 +11,12 @@ from typing import Any, Optional
 
 import torch
 
-from .. import config
-from ..errors import ClusterError, ProtocolError
+from ..errors import ProtocolError
 
 MAGIC = b"PSKVSHM1"
 HEADER = struct.Struct("<8s16s")  # magic, token
 ALIGN = 64
 DEFAULT_ARENA = 64 << 20
-
-
-def mode() -> str:
-    try:
-        return config.getenv("PSKV_SHM", "auto", choices=("auto", "0", "1"))
-    except ValueError as exc:  # a node that cannot start says so as a ClusterError
-        raise ClusterError(str(exc)) from None
 
 
 class Arena:

@@ -72,10 +72,7 @@ class Van:
         self._wake = os.eventfd(0, os.EFD_NONBLOCK)  # written to by :meth:`wake`
         self._poller.register(self._wake, zmq.POLLIN)
         self.closed = False
-        try:
-            self.secret, self.encrypt = config.secret(), config.getenv("PSKV_ENCRYPT", False)
-        except ValueError as exc:
-            raise ClusterError(str(exc)) from None
+        self.secret, self.encrypt = config.secret(), config.encrypt()
         if self.encrypt and self.secret is None:
             raise ClusterError("PSKV_ENCRYPT=1 needs the job's secret: PSKV_SECRET or PSKV_SECRET_FILE")
         self.identity = (role, -1)  # (role, rank) this node proves on the connections it opens
@@ -171,6 +168,14 @@ class Van:
                 tracker.wait(timeout)
             return tracker.done
         return wait
+
+    def post(self, peer: str, msg: Message) -> None:
+        """:meth:`send`, logging a failure instead of raising it (a peer that vanished must not take a server
+        or the scheduler down)."""
+        try:
+            self.send(peer, msg)
+        except Exception as exc:
+            self._log(f"could not send {msg.type.name} to {peer}: {exc}")
 
     def recv(self, timeout: float) -> list[Received]:
         """Messages that arrived, waiting up to ``timeout`` s for the first (or a wake-up); one

@@ -146,6 +146,13 @@ def test_workers_that_never_make_a_store_end_the_job_at_once(tmp_path: Path) -> 
     assert "the workers finished before the job started (none made a dist store); stopped scheduler, server 0" in res.stderr, res
 
 
+def test_a_bad_setting_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None:
+    res = launch(tmp_path, "import pskv\npskv.kv.create('dist_sync')", 1, 1, timeout=60, launch_args=["--env", "PSKV_TIMEOUT:abc"])
+    assert res.code == 2, res  # the launcher's "could not start" status
+    assert "pskv serve: environment variable PSKV_TIMEOUT='abc' is not a valid float" in res.stdout + res.stderr, res
+    assert "Traceback" not in res.stdout + res.stderr, res
+
+
 def test_bad_arguments_are_clear(tmp_path: Path) -> None:
     res = run(
         [

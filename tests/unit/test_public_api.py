@@ -10,6 +10,7 @@ import pskv
 EXPECTED = [
     "ClusterError",
     "CompressionError",
+    "ConfigError",
     "DTypeMismatchError",
     "DeadlineExceeded",
     "DistributedOptimizer",
