@@ -5,7 +5,8 @@ back, instead of an all-reduce among the workers."""
 
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

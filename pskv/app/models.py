@@ -86,7 +86,7 @@ def _resnet50_shapes() -> list[Shape]:
 def _vgg16_shapes() -> list[Shape]:
     """torchvision's ``vgg16()`` (no BatchNorm): 13 3x3 convs, then 25088-4096-4096-1000."""
     widths = (3, 64, 64, 128, 128, 256, 256, 256, 512, 512, 512, 512, 512, 512)
-    weights: list[Shape] = [(n_out, n_in, 3, 3) for n_in, n_out in zip(widths, widths[1:])]
+    weights: list[Shape] = [(widths[i + 1], widths[i], 3, 3) for i in range(len(widths) - 1)]
     weights += [(n_out, n_in) for n_in, n_out in ((512 * 7 * 7, 4096), (4096, 4096), (4096, 1000))]
     return [shape for w in weights for shape in (w, w[:1])]  # each weight, then its bias
 

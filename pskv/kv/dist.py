@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Iterator
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 from torch import Tensor

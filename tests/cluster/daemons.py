@@ -57,9 +57,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Optional, Union
 
 StrPath = Union[str, "os.PathLike[str]"]
 

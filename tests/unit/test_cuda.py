@@ -3,7 +3,8 @@ back without blocking, device lists summed on a device; run where a CUDA device 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -4,7 +4,8 @@ worker, the gradients summed by the servers; checked against one process trainin
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

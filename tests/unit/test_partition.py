@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -30,7 +31,7 @@ def test_big_arrays_are_contiguous_slices_over_all_servers(numel: int, row: int,
     parts = place(7, numel, servers, BOUND, row_numel=row)
     assert [p.server for p in parts] == list(range(servers))
     assert parts[0].start == 0 and parts[-1].stop == numel
-    for a, b in zip(parts, parts[1:]):
+    for a, b in itertools.pairwise(parts):
         assert a.stop == b.start
     for p in parts:
         assert p.start % row == 0 and p.stop % row == 0

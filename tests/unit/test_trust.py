@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 import random
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
