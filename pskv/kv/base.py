@@ -141,6 +141,10 @@ class KVStore:
             if v.is_sparse and v.sparse_dim() != 1:
                 raise errors.SparseError(f"key {key!r}: a sparse {what} must be row-sparse "
                                          f"(sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}")
+            rows = v._indices() if v.is_sparse else None  # torch does not check them unless asked
+            if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= v.shape[0]):
+                raise errors.SparseError(f"key {key!r}: a sparse {what} has row indices outside [0, {v.shape[0]}): "
+                                         f"min {int(rows.min())}, max {int(rows.max())}")
         return items
 
     @staticmethod

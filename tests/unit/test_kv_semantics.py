@@ -256,6 +256,12 @@ def test_row_sparse_push_replaces_or_updates_rows(kv: KVStore) -> None:
     kv.push("emb", rs([3], torch.full((1, 2), 2.0), (5, 2)))
     kv.row_sparse_pull("emb", dense, row_ids=torch.arange(5))
     assert dense[:, 0].tolist() == [0, 1, 0, 1, 0]
+    for bad in (5, -1, 10**9):  # torch makes such tensors without a word; the store refuses them, and keeps its rows
+        with pytest.raises(pskv.SparseError, match=rf"key 'emb': a sparse pushed value has row indices outside \[0, 5\): min {bad}"):
+            wrong = torch.sparse_coo_tensor(torch.tensor([[bad]]), torch.ones(1, 2), (5, 2), check_invariants=False)
+            kv.push("emb", [rs([1], torch.ones(1, 2), (5, 2)), wrong])
+    kv.row_sparse_pull("emb", dense, row_ids=torch.arange(5))
+    assert dense[:, 0].tolist() == [0, 1, 0, 1, 0]
 
 
 def test_sparse_embedding_gradients_train_through_the_store(kv: KVStore) -> None:
