@@ -150,6 +150,7 @@ class ProcessContext:
         started = time.monotonic()
         finished_at: Optional[float] = None
         lost: list[Watched] = []  # declared lost: the job goes on without them
+        blame_until = 0.0  # till when a failure waits for the process its error names (see below)
         next_sample = 0.0
         while True:
             if time.monotonic() >= next_sample:  # /proc of every process, 4 times a second (not every 50 ms pass)
@@ -170,8 +171,13 @@ class ProcessContext:
                 lost.append(failed[0])
                 self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; {note}", failed[0])
                 continue
+            named = self._named(failed[0]) if failed else None
+            if named is not None and named.returncode is None and time.monotonic() < (blame_until := blame_until or time.monotonic() + self.GRACE):
+                time.sleep(0.05)  # its error names a worker or server that is still exiting: that one's status is the job's
+                continue
             if failed:
-                p, code = failed[0], failed[0].returncode or 0
+                p = named if any(named is q for q in failed) else failed[0]
+                code = p.returncode or 0
                 self.stop_all()  # first: its readers' last lines may hold the guard's failure line
                 first = getattr(p, "failure", "")
                 cause = f" ({first})" if first else ""
@@ -197,6 +203,14 @@ class ProcessContext:
             if timeout is not None and time.monotonic() - started > timeout:
                 return self._stop(124, f"the job ran past its time limit of {timeout:g} s; stopped it")
             time.sleep(0.05)
+
+    def _named(self, failed: Watched) -> Optional[Watched]:
+        """The worker or server that the last lines of ``failed`` name (its error: "worker 1 finished ...")."""
+        for reader in getattr(failed, "readers", ()):  # its last lines, read to the end
+            reader.join(timeout=1.0)
+        last = " ".join(failed.tail[-3:])
+        return next((q for q, _ in self.watched if q is not failed and q.name.startswith(("worker ", "server "))
+                     and re.search(rf"\b{re.escape(q.name)}\b", last)), None)
 
     def _restart(self, name: str) -> None:
         """Start the worker ``name`` the scheduler declared lost anew, if --max-restarts allows and it is a

@@ -87,6 +87,25 @@ def test_failing_worker_status_is_the_launchers_and_the_rest_stop(tmp_path: Path
         )
 
 
+def test_the_status_is_the_failed_workers_not_that_of_one_its_exit_failed(tmp_path: Path) -> None:
+    """Worker 1 leaves the job and exits 3 a second later; worker 0's push fails at once, its error
+    naming worker 1: the launcher waits for the worker named and reports it (it reported worker 0)."""
+    script = """
+    import sys, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(3))
+    if kv.rank == 1:
+        kv.close()
+        time.sleep(1.0)
+        sys.exit(3)
+    kv.pushpull("w", torch.ones(3))
+    """
+    res = launch(tmp_path, script, 2, 1, timeout=60)
+    assert res.code == 3, res
+    assert "pskv launch: worker 1 exited with status 3; stopped the other processes of the job" in res.stderr, res
+    assert "NodeFailedError" in res.stderr and "worker 1 finished (closed its store)" in res.stderr, res
+
+
 def test_timeline_files_are_merged_when_the_job_ends(tmp_path: Path) -> None:
     script = """
     import torch, pskv
