@@ -24,13 +24,23 @@ from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
 from .base import Group, KeyMeta, KVStore
 
+_made: Optional[weakref.ref[DistStore]] = None  # this process's store: a worker has one place in its job
+
 
 def create_dist(name: str) -> KVStore:
     """The ``dist_*`` store of this process, or, for a server/scheduler process, serve and exit."""
+    global _made
     env = JobEnv.from_environ()
     if env.role != "worker":
         sys.exit(serve(env))
-    return DistStore(name, env)
+    if _made is not None and (made := _made()) is not None and not made._closed:
+        raise errors.KVStoreError(f"this process already has a dist store ({made.type!r}, worker {made.rank}); a worker has one "
+                                  "place in the job: use that store (e.g. pskv.Trainer(params, ..., kvstore=kv))")
+    if _made is not None:
+        raise errors.StoreClosedError("this process's dist store was closed, and its place in the job with it: a worker makes one dist store")
+    store = DistStore(name, env)
+    _made = weakref.ref(store)
+    return store
 
 
 def _close(client: WorkerClient) -> None:

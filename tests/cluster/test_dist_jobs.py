@@ -311,6 +311,30 @@ def test_a_store_dropped_without_close_still_finishes_the_job(tmp_path: Path) ->
     assert res.code == 0 and res.stdout.count("dropped") == 2, res
 
 
+def test_a_second_dist_store_in_a_worker_is_refused_at_once(tmp_path: Path) -> None:
+    """A worker has one place in its job: a second dist store (a Trainer given a type name after
+    ``create``) and one made after ``close()`` fail at once, saying so; they waited for the start
+    timeout, the first with "the job already has its 2 workers", the second naming the scheduler."""
+    script = """
+    import torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    try:
+        pskv.Trainer(torch.nn.Linear(2, 2).parameters(), "sgd", {"learning_rate": 0.1}, kvstore="dist_sync")
+    except pskv.KVStoreError as exc:
+        print("second:", type(exc).__name__, exc, flush=True)
+    kv.close()
+    try:
+        pskv.kv.create("dist_sync")
+    except pskv.KVStoreError as exc:
+        print("after close:", type(exc).__name__, exc, flush=True)
+    """
+    res = launch(tmp_path, script, 2, 1, timeout=60)
+    assert res.code == 0, res
+    for rank in (0, 1):
+        assert f"second: KVStoreError this process already has a dist store ('dist_sync', worker {rank})" in res.stdout, res
+    assert res.stdout.count("after close: StoreClosedError this process's dist store was closed") == 2, res
+
+
 def test_pskv_train_resumes_a_killed_job_from_its_checkpoint(tmp_path: Path) -> None:
     """``kill -9`` of ``pskv train`` after its first checkpoint, then ``--resume`` with another number of
     servers: the weights after 3 epochs equal those of a run never stopped (same data order, same
