@@ -134,7 +134,7 @@ def report(args: argparse.Namespace, shapes: Shapes, runs: dict[str, dict[str, A
         # a round ends when its last worker is done
         rounds = sorted(max(ts) for ts in zip(*(w["seconds"] for w in run["workers"])))
         median = statistics.median(rounds)
-        p10, p90 = (rounds[int(q * (len(rounds) - 1))] for q in (0.1, 0.9))
+        p10, p90 = (rounds[round(q * (len(rounds) - 1))] for q in (0.1, 0.9))  # the nearest rank
         gbps = 2 * nbytes / median / 1e9  # every worker sends and receives the payload
         label = "pskv" if system == "pskv" else "gloo all_reduce"
         print(f"{label:18}{median:>12.4f} s{p10:>9.4f}{p90:>10.4f}{gbps:>18.2f}")
@@ -153,8 +153,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         if args.size_mb is not None and args.size_mb <= 0:
             raise PSKVError(f"--size-mb must be positive, got {args.size_mb}")
-        if args.num_workers < 1 or args.num_servers < 1:
-            raise PSKVError("pskv bench needs at least one worker and one server")
+        if args.num_workers < 1 or args.num_servers < 1 or args.rounds < 1 or args.warmup < 0:
+            raise PSKVError(f"-n, -s and --rounds must be >= 1, --warmup >= 0; got {args.num_workers}, {args.num_servers}, {args.rounds}, {args.warmup}")
         if args.size_mb is None:
             shapes = parameter_shapes(args.model)
         else:

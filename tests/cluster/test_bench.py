@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_bench_compares_with_gloo_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", "3", "-n", "2", "-s", "2", "--rounds", "4",
+    res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", "3", "-n", "2", "-s", "2", "--rounds", "2",
                "--warmup", "1", "--compare", "gloo", "--json", str(out)], timeout=200)  # fmt: skip
     assert res.code == 0, res
     assert "ratio pskv / gloo:" in res.stdout and "shared memory" in res.stdout, res
@@ -26,6 +26,8 @@ def test_bench_compares_with_gloo_and_writes_json(tmp_path: Path) -> None:
     assert data["ratio"] == pytest.approx(data["pskv_round_s"] / data["gloo_round_s"])
     assert set(data["pskv_peak_rss_mb"]) == {"scheduler", "server 0", "server 1", "worker 0", "worker 1"}
     assert all(mb > 10 for mb in data["pskv_peak_rss_mb"].values())
+    for system in ("pskv", "gloo"):  # 2 rounds: p10 the faster, p90 the slower (was the faster)
+        assert data[f"{system}_round_p10_s"] <= data[f"{system}_round_s"] <= data[f"{system}_round_p90_s"], data
 
 
 def test_bench_over_tcp_and_a_bad_size(tmp_path: Path) -> None:
@@ -34,3 +36,5 @@ def test_bench_over_tcp_and_a_bad_size(tmp_path: Path) -> None:
     assert res.code == 0 and "(TCP)" in res.stdout and "44.7 MB" in res.stdout, res
     res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", "-1"], timeout=60)
     assert res.code == 2 and "--size-mb must be positive" in res.stderr, res
+    res = run([sys.executable, "-m", "pskv", "bench", "--rounds", "0"], timeout=60)
+    assert res.code == 2 and "--rounds must be >= 1, --warmup >= 0; got 2, 2, 0, 3" in res.stderr, res
