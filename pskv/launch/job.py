@@ -176,7 +176,7 @@ class ProcessContext:
                 time.sleep(0.05)  # its error names a worker or server that is still exiting: that one's status is the job's
                 continue
             if failed:
-                p = named if any(named is q for q in failed) else failed[0]
+                p = next((q for q in failed if q is named), failed[0])
                 code = p.returncode or 0
                 self.stop_all()  # first: its readers' last lines may hold the guard's failure line
                 first = getattr(p, "failure", "")
