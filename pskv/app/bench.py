@@ -155,10 +155,7 @@ def main(argv: Sequence[str]) -> int:
             raise PSKVError(f"--size-mb must be positive, got {args.size_mb}")
         if args.num_workers < 1 or args.num_servers < 1 or args.rounds < 1 or args.warmup < 0:
             raise PSKVError(f"-n, -s and --rounds must be >= 1, --warmup >= 0; got {args.num_workers}, {args.num_servers}, {args.rounds}, {args.warmup}")
-        if args.size_mb is None:
-            shapes = parameter_shapes(args.model)
-        else:
-            shapes = [(max(1, int(args.size_mb * 1e6 / 4)),)]
+        shapes: Shapes = parameter_shapes(args.model) if args.size_mb is None else [(max(1, int(args.size_mb * 1e6 / 4)),)]
         if args.worker:  # a process of a launched run
             everyone = (pskv_worker if args.worker == "pskv" else gloo_worker)(args, shapes)
             if int(os.environ.get("DMLC_WORKER_ID", os.environ.get("RANK", "0"))) == 0 and args.out:

@@ -61,11 +61,9 @@ def small_cnn(num_classes: int = 10, in_channels: int = 1, image_size: int = 28)
 
 def get_model(name: str, num_classes: int = 10, in_channels: int = 3, image_size: int = 32) -> nn.Module:
     """A network by name, one of ``MODEL_NAMES``; ``image_size`` matters only to ``small_cnn``."""
-    if name == "resnet18":
-        return resnet18(num_classes, in_channels)
-    if name == "small_cnn":
-        return small_cnn(num_classes, in_channels, image_size)
-    raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    if name not in MODEL_NAMES:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}")
+    return resnet18(num_classes, in_channels) if name == "resnet18" else small_cnn(num_classes, in_channels, image_size)
 
 
 def _resnet50_shapes() -> list[Shape]:

@@ -272,8 +272,12 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     dist = args.kv_store.startswith("dist")
     try:
-        if (args.workers is not None and args.workers < 1) or args.epochs < 1 or args.batch_size < 1:
-            raise PSKVError("--workers, --epochs and --batch-size must be >= 1")
+        if (args.workers is not None and args.workers < 1) or min(args.epochs, args.batch_size, args.image_size, args.servers if dist else 1) < 1:
+            raise PSKVError("--workers, --epochs, --batch-size, --image-size and (with a dist store) --servers must be >= 1")
+        if args.dataset in ("cifar10", "folder") and not (args.data_dir and Path(args.data_dir).is_dir()):
+            raise PSKVError(f"--dataset {args.dataset} reads files: --data-dir must be a folder, got {args.data_dir}")
+        if "cuda" in args.devices and not torch.cuda.is_available():  # here, not in every worker once the job started
+            raise PSKVError(f"--devices {args.devices}: this torch sees no CUDA device")
         if args.resume and not args.checkpoint_dir:
             raise PSKVError("--resume needs --checkpoint-dir (where the checkpoints are)")
         if args.tensorboard:

@@ -382,6 +382,14 @@ def test_pskv_train_resume_needs_a_checkpoint_dir(tmp_path: Path) -> None:
 
     res = run([sys.executable, "-m", "pskv", "train", "--resume"], timeout=60)
     assert res.code == 2 and "--resume needs --checkpoint-dir" in res.stderr, res
+    for args, said in (  # said before a job starts (they came as tracebacks from every worker)
+        (["--servers", "0"], "--image-size and (with a dist store) --servers must be >= 1"),
+        (["--image-size", "0"], "--image-size and (with a dist store) --servers must be >= 1"),
+        (["--dataset", "cifar10"], "--dataset cifar10 reads files: --data-dir must be a folder, got None"),
+        (["--dataset", "folder", "--data-dir", str(tmp_path / "none")], f"--data-dir must be a folder, got {tmp_path / 'none'}"),
+    ):
+        res = run([sys.executable, "-m", "pskv", "train", *args], timeout=60)
+        assert res.code == 2 and said in res.stderr and "launching" not in res.stderr, res
     res = run([sys.executable, "-m", "pskv", "train", "--kv-store", "local", "--workers", "1", "--model", "small_cnn",
                "--epochs", "1", "--no-progress", "--checkpoint-dir", str(tmp_path), "--resume"], timeout=120)  # fmt: skip
     assert res.code == 0 and f"no checkpoint in {tmp_path} yet; starting" in res.stdout, res
