@@ -100,6 +100,7 @@ class ProcessContext:
         self.lifeline, self._lifeline_w = os.pipe()
         self.started_fd = -1  # where the scheduler says the job started (start_scheduler)
         self.started = self.ended = False  # what the scheduler said: the job started, ended
+        self.joined = 0  # workers that registered with it (before the start)
         self.restarts = self.max_restarts = 0  # of workers it declared lost (--max-restarts)
 
     def start(
@@ -198,6 +199,10 @@ class ProcessContext:
                 return 0
             if finished_at is not None and not self.started and any(p.name == "scheduler" for p in self.procs):
                 return self._stop(0, f"the workers finished before the job started (none made a dist store); stopped {', '.join(alive)}")
+            gone = [p.name for p, main in self.watched if main and p.returncode == 0 and p.name.startswith("worker ")]
+            if gone and self.joined and not self.started:  # it needs every worker: it can never start
+                return self._stop(1, f"{', '.join(gone)} finished before the job started, without joining it (no dist store); "
+                                     f"the job, which needs all its workers, could never start: stopped it")
             if finished_at is not None and time.monotonic() - finished_at > finish_timeout:
                 return self._stop(1, f"the workers finished but {', '.join(alive)} did not exit within {finish_timeout:g} s; stopped them")
             if timeout is not None and time.monotonic() - started > timeout:
@@ -237,6 +242,7 @@ class ProcessContext:
                 self.started_fd = -1
             for line in data.decode(errors="replace").split("\n"):
                 self.started, self.ended = self.started or line == "started", self.ended or line == "ended"
+                self.joined += line == "registered worker"
                 lost += [p for p, _ in self.watched if line == f"lost {p.name}" and p not in lost]
                 if line.startswith("lost worker ") and not self.ended:  # (a worker too late to rejoin: ended first)
                     self._restart(line[5:])

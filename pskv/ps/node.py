@@ -176,7 +176,7 @@ class Node:
         }
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
-        until = time.monotonic() + wait
+        until = time.monotonic() + wait + 2.0  # the scheduler's error, naming who is missing, comes first
         early: list[Received] = []
         while (left := until - time.monotonic()) > 0:
             for peer, msg in self.van.recv(min(left, 0.5)):

@@ -74,7 +74,7 @@ class Scheduler:
                 self.van.post(node.peer, msg)
 
     def run(self) -> int:
-        bound = self.van.listen(self.env.scheduler_endpoint, max_frame=MAX_META)
+        bound = self.bound = self.van.listen(self.env.scheduler_endpoint, max_frame=MAX_META)
         # tell pskv launch (PSKV_PORT_FD) our port; later, that the job started (from then on it may go on
         # without a lost node: --replicas, --min-workers), and which nodes were lost
         if (fd := os.environ.get("PSKV_PORT_FD")) and not self.env.inproc:
@@ -151,6 +151,7 @@ class Scheduler:
                 raise ClusterError(f"two {role}s asked for id {wanted}")
         self.nodes[peer] = _Node(peer, role, meta)
         say("scheduler", f"{role} registered from {meta.get('hostname')} pid {meta.get('pid')}")
+        self._tell(f"registered {role}")
         if len(self._members("server")) == self.env.num_servers and len(self._members("worker")) == self.env.num_workers:
             self._start()
 
@@ -186,7 +187,7 @@ class Scheduler:
         absent = [f"{r} {i}" for r, want in (("server", self.env.num_servers), ("worker", self.env.num_workers))
                   for i in range(want) if (r, i) not in ids and (r, None) not in ids]  # fmt: skip
         missing = (f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
-                   f"{self.env.num_workers} workers registered with the scheduler at {self.env.scheduler_endpoint}"
+                   f"{self.env.num_workers} workers registered with the scheduler at {self.bound}"
                    f"{'; not registered: ' + ', '.join(absent) if absent else ''}")
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():

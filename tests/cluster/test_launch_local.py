@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,35 @@ def test_workers_that_never_make_a_store_end_the_job_at_once(tmp_path: Path) -> 
     assert res.code == 0, res
     assert res.stdout.count("no store here") == 2, res
     assert "the workers finished before the job started (none made a dist store); stopped scheduler, server 0" in res.stderr, res
+
+
+def test_a_worker_that_finishes_without_joining_ends_a_job_the_others_joined(tmp_path: Path) -> None:
+    """Worker 1 never makes a store and exits 0 while worker 0 waits in create(): the job can never
+    start, and the launcher says so at once (it waited for the start timeout, 120 s by default)."""
+    script = """
+    import os, sys
+    if os.environ["DMLC_WORKER_ID"] == "1":
+        sys.exit(0)
+    import pskv
+    pskv.kv.create("dist_sync")
+    """
+    res = launch(tmp_path, script, 2, 1, timeout=60)
+    assert res.code == 1, res
+    assert "pskv launch: worker 1 finished before the job started, without joining it (no dist store); the job" in res.stderr, res
+
+
+def test_the_start_timeout_names_who_did_not_register_and_the_schedulers_port(tmp_path: Path) -> None:
+    script = """
+    import os, time
+    if os.environ["DMLC_WORKER_ID"] == "1":
+        time.sleep(30)
+    import pskv
+    pskv.kv.create("dist_sync")
+    """
+    res = launch(tmp_path, script, 2, 1, timeout=60, env={"PSKV_START_TIMEOUT": "10"})
+    assert res.code != 0, res
+    said = re.search(r"1 of 2 workers registered with the scheduler at tcp://127\.0\.0\.1:(\d+); not registered: worker 1", res.stderr)
+    assert said and int(said[1]) > 0, res  # the port it listens on (it said :0, what it was asked for)
 
 
 def test_a_bad_setting_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None:
