@@ -160,6 +160,8 @@ class JobSpec:
     def __post_init__(self) -> None:
         if self.num_workers < 1 or self.num_servers < 0:
             raise LaunchError(f"need at least one worker and no negative server count, got -n {self.num_workers} -s {self.num_servers}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise LaunchError(f"--timeout must be a positive number of seconds, got {self.timeout:g}")
         if not self.command:
             raise LaunchError("no command to run: pskv launch -n 2 -s 2 -- python train.py")
         if not self.name:

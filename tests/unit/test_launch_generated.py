@@ -116,6 +116,12 @@ def _spec(**kw: Any) -> JobSpec:
     return JobSpec(**args)
 
 
+@pytest.mark.parametrize("timeout", [0.0, -3.0, float("nan")])
+def test_a_timeout_must_be_positive(timeout: float) -> None:
+    with pytest.raises(LaunchError, match=f"--timeout must be a positive number of seconds, got {timeout:g}"):
+        _spec(timeout=timeout)
+
+
 def test_env_options_reach_exactly_their_roles() -> None:
     spec = _spec()
     server = spec.process_env("server", "10.0.0.1", 9000, 1)
