@@ -373,15 +373,20 @@ STATE_FORMAT = "pskv-optimizer-states/1"
 
 def save_states(path: Union[str, Path], state: Mapping[str, Any], key_names: Mapping[int, Any]) -> None:
     """``torch.save`` :meth:`Optimizer.state_dict`'s form and the user's name of each key to ``path``."""
-    torch.save({**state, "format": STATE_FORMAT, "key_names": dict(key_names)}, str(path))
+    try:
+        torch.save({**state, "format": STATE_FORMAT, "key_names": dict(key_names)}, str(path))
+    except (OSError, RuntimeError) as exc:  # (torch says a missing folder as a RuntimeError)
+        raise OptimizerError(f"cannot write optimizer states to {path}: {exc}") from exc
 
 
 def load_states(path: Union[str, Path]) -> dict[str, Any]:
     """Read what :func:`save_states` wrote (``weights_only``: nothing in it is executed)."""
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise OptimizerError(f"cannot read optimizer states from {path}: {exc}") from exc
+    except OSError as exc:
+        raise OptimizerError(f"cannot read optimizer states from {path}: {exc.strerror or exc}") from exc
+    except Exception as exc:  # not ours (they load with weights_only): torch's advice to load it unsafely does not apply
+        raise OptimizerError(f"{path} is not a pskv optimizer-state file ({type(exc).__name__} from torch.load)") from exc
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise OptimizerError(f"{path} is not a pskv optimizer-state file")
     return state

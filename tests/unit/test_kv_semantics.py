@@ -308,8 +308,13 @@ def test_optimizer_states_save_and_load(kv: KVStore, make_store: Callable[[str],
         other.load_optimizer_states(path)
     bad = pathlib.Path(str(tmp_path)) / "bad"
     bad.write_bytes(b"not a state file")
-    with pytest.raises(pskv.OptimizerError, match="cannot read optimizer states"):
+    with pytest.raises(pskv.OptimizerError, match="bad is not a pskv optimizer-state file") as caught:
         kv.load_optimizer_states(bad)
+    assert "weights_only" not in str(caught.value)  # not torch's advice to load it unsafely
+    with pytest.raises(pskv.OptimizerError, match=r"cannot read optimizer states from .*missing: No such file"):
+        kv.load_optimizer_states(bad.parent / "missing")
+    with pytest.raises(pskv.OptimizerError, match=r"cannot write optimizer states to .*no-dir"):
+        kv.save_optimizer_states(bad.parent / "no-dir" / "states")
 
 
 def test_set_optimizer_needs_an_optimizer(kv: KVStore) -> None:
