@@ -23,6 +23,9 @@ DEFAULT_PORT = 9091
 FORWARDED = ("PSKV_", "DMLC_INTERFACE")
 #: ... except these, which mean something only here (and ``PSKV_SECRET``, which :meth:`JobSpec.process_env` drops)
 NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH")
+# what pskv launch sets for each process (from -n, -s and its role): never from --env
+SET_HERE = {"DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
+            "DMLC_SERVER_ID", "DMLC_WORKER_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
 SERVE = [sys.executable, "-m", "pskv", "serve"]
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -162,6 +165,8 @@ class JobSpec:
             raise LaunchError(f"need at least one worker and no negative server count, got -n {self.num_workers} -s {self.num_servers}")
         if self.timeout is not None and not self.timeout > 0:
             raise LaunchError(f"--timeout must be a positive number of seconds, got {self.timeout:g}")
+        if taken := sorted(SET_HERE & set(self.env).union(*self.role_env.values())):
+            raise LaunchError(f"--env {', '.join(taken)}: pskv launch sets these for each process, from -n, -s and its role")
         if not self.command:
             raise LaunchError("no command to run: pskv launch -n 2 -s 2 -- python train.py")
         if not self.name:

@@ -145,8 +145,10 @@ def test_env_options_reach_exactly_their_roles() -> None:
         assert not {"PSKV_PORT_FD", "PSKV_SSH", "DMLC_NODE_HOST", "HOME", "PATH"} & set(env)
 
 
-def test_env_precedence_launcher_counts_win_role_options_last() -> None:
-    spec = _spec(env={"DMLC_NUM_WORKER": "99", "X": "all"}, role_env={"server": {}, "worker": {"X": "worker"}})
+def test_env_precedence_launcher_counts_are_not_options_role_options_last() -> None:
+    with pytest.raises(LaunchError, match="--env DMLC_NUM_WORKER, RANK: pskv launch sets these for each process"):
+        _spec(env={"DMLC_NUM_WORKER": "99"}, role_env={"server": {}, "worker": {"RANK": "5"}})  # (it overrode them quietly)
+    spec = _spec(env={"X": "all"}, role_env={"server": {}, "worker": {"X": "worker"}})
     worker = spec.process_env("worker", "h", 1, 0, torch={"LOCAL_RANK": "0", "X": "torch"})
     assert worker["DMLC_NUM_WORKER"] == "3" and worker["X"] == "worker" and worker["LOCAL_RANK"] == "0"
     here = spec.process_env("worker", "h", 1, 0, base={"HOME": "/h", "X": "base"})
