@@ -26,6 +26,7 @@ class _Distributed:
     _pskv_params: list[Tensor]
     _pskv_used: Any  # the store's key for how many workers had each parameter's gradient
     _pskv_skip = False
+    _pskv_inner: Optional[Callable[[], Any]] = None  # the step an LR scheduler made before wrapping put on the optimizer
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """:meth:`synchronize` (unless inside :meth:`skip_synchronize`), then the wrapped optimizer's step."""
@@ -35,7 +36,10 @@ class _Distributed:
                 loss = closure()
         if not self._pskv_skip:
             self.synchronize()
-        super().step()  # type: ignore[misc]
+        if self._pskv_inner is not None:
+            self._pskv_inner()  # (it runs the wrapped optimizer's step, and counts it for its scheduler)
+        else:
+            super().step()  # type: ignore[misc]
         return loss
 
     def synchronize(self) -> None:
@@ -87,6 +91,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     cls: Any = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
+    wrapped._pskv_inner = wrapped.__dict__.pop("step", None)  # copied, it would step without summing
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
     if store is not None:

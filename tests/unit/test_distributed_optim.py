@@ -55,12 +55,13 @@ def _reference(make: Callable[..., Any], workers: int, op: str) -> list[torch.Te
     return [p.detach().clone() for p in net.parameters()]
 
 
-def _train(kv: KVStore, make: Callable[..., Any], op: str, overlap: bool = False) -> list[torch.Tensor]:
+def _train(kv: KVStore, make: Callable[..., Any], op: str, overlap: bool = False, scheduler_first: bool = False) -> list[torch.Tensor]:
     net = _net()
     opt, sched = make(net)
+    scheduler = sched(opt) if scheduler_first else None  # it puts a step of its own on the optimizer it gets
     dopt = pskv.DistributedOptimizer(opt, kv, op=op, overlap=overlap)
     assert isinstance(dopt, type(opt))
-    scheduler = sched(dopt)  # a torch LR scheduler takes the wrapper
+    scheduler = scheduler or sched(dopt)  # a torch LR scheduler takes the wrapper
     for step in range(STEPS):
         dopt.zero_grad(set_to_none=True)
         x, y = _batch(step, kv.rank)
@@ -70,11 +71,13 @@ def _train(kv: KVStore, make: Callable[..., Any], op: str, overlap: bool = False
     return [p.detach().clone() for p in net.parameters()]
 
 
-@pytest.mark.parametrize(("make", "op", "overlap"), [(_adamw, "average", False), (_adamw, "average", True), (_adamw, "sum", False),
-                                                   (_sgd_foreach, "average", True), (_sgd_foreach, "sum", False)])  # fmt: skip
-def test_two_workers_train_as_one_process_on_all_batches(inproc_job: Job, make: Callable[..., Any], op: str, overlap: bool) -> None:
-    """AdamW with OneCycleLR, and a foreach SGD with StepLR; overlap: gradients leave during backward."""
-    got = inproc_job(2, 2).run_workers(lambda kv: _train(kv, make, op, overlap))
+@pytest.mark.parametrize(("make", "op", "overlap", "first"), [(_adamw, "average", False, False), (_adamw, "average", True, False),
+                                                            (_adamw, "sum", False, True), (_sgd_foreach, "average", True, True),
+                                                            (_sgd_foreach, "sum", False, False)])  # fmt: skip
+def test_two_workers_train_as_one_process_on_all_batches(inproc_job: Job, make: Callable[..., Any], op: str, overlap: bool, first: bool) -> None:
+    """AdamW with OneCycleLR, and a foreach SGD with StepLR; overlap: gradients leave during backward;
+    first: the LR scheduler made before the optimizer is wrapped (its step, copied, skipped the sum)."""
+    got = inproc_job(2, 2).run_workers(lambda kv: _train(kv, make, op, overlap, first))
     want = _reference(make, 2, op)
     for a, b, w in zip(got[0], got[1], want):
         assert torch.equal(a, b), "the workers' weights differ"
