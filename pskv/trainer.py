@@ -55,6 +55,20 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     return keys[0], tensors
 
 
+def _own_keys(kv: KVStore, keys: list[Key]) -> list[Key]:
+    """``keys``, or, where another Trainer on ``kv`` has them (a GAN's two), the next free ones: ints
+    after the store's (below the broadcasts' 2**40), names with ``#1``, ``#2``, ... (every worker makes
+    its Trainers in one order, so they agree)."""
+    taken = set(kv._keys)
+    if not taken.intersection(keys):
+        return keys
+    if isinstance(keys[0], int):
+        start = max(k for k in taken if isinstance(k, int) and k < 2**40) + 1
+        return [start + cast(int, k) for k in keys]
+    n = next(i for i in range(1, len(taken) + 2) if not taken.intersection(f"{k}#{i}" for k in keys))
+    return [f"{k}#{n}" for k in keys]
+
+
 class Trainer:
     """Applies an optimizer to parameters through a store (docs/SPEC.md, "Trainer" and "Overlap");
     not thread-safe. ``params``: tensors, ``(name, tensor)`` pairs or a dict (keys: the order, or the
@@ -94,6 +108,7 @@ class Trainer:
         if kv is not None:
             if compression_params:
                 kv.set_gradient_compression(compression_params)
+            self._keys = _own_keys(kv, self._keys)
             kv.init(self._keys, [t.detach() for t in self._reps[0]])
             self.pull_weights()  # worker 0's, everywhere
             if self._update_on_kvstore:

@@ -66,6 +66,27 @@ def test_three_workers_two_servers(inproc_job: Job, update_on_kvstore: Any) -> N
     assert job.run_workers(body) == [[1.0 - W * (W + 1) / 2] * 2] * W
 
 
+def test_two_trainers_share_one_store(inproc_job: Job) -> None:
+    """A GAN's generator and discriminator Trainers on the job's one store (a worker has one): the
+    second takes keys of its own, ints after the first's, names with #1 (they collided: DuplicateInitError)."""
+
+    def body(kv: KVStore) -> list[Any]:
+        params = [{"0.weight": _ones_param()}, {"0.weight": _ones_param()}] if kv.type == "local" else [[_ones_param()], [_ones_param()]]
+        trainers = [pskv.Trainer(ps, "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv) for ps in params]
+        for _ in range(2):
+            for t, ps, grad in zip(trainers, params, (1.0, 10.0)):
+                p = next(iter(ps.values())) if isinstance(ps, dict) else ps[0]
+                p.grad = torch.full_like(p, grad * (kv.rank + 1))
+                t.step(1)
+        return [[t._keys for t in trainers], *(next(iter(ps.values())) if isinstance(ps, dict) else ps[0] for ps in params)]
+
+    # the sum over W workers is s = W(W+1)/2 x the gradient; momentum 0.5: w1 = 1 - s, w2 = w1 - (0.5 s + s)
+    for (keys, g, d), workers in [*((r, 2) for r in inproc_job(2, 1).run_workers(body)), (body(pskv.kv.create("local")), 1)]:
+        s = workers * (workers + 1) / 2
+        assert keys == ([["0.weight"], ["0.weight#1"]] if workers == 1 else [[0], [1]])
+        assert torch.equal(g.detach(), torch.full((3,), 1 - 2.5 * s)) and torch.equal(d.detach(), torch.full((3,), 1 - 25 * s))
+
+
 def test_batch_size_scales_the_sum(inproc_job: Job) -> None:
     job = inproc_job(2, 1)
 
