@@ -314,9 +314,9 @@ class Trainer:
                 self._kv.push(keys, grads)
                 self._kv.pull(keys, grads, ignore_sparse=False)
             self.synchronize()  # the sums of what backward pushed (with overlap)
-        for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad
+        for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad (none pushed: none)
             for rep, g in zip(self._reps, gs):
-                if rep[i].grad is None:
+                if rep[i].grad is None and self._kv is not None:
                     rep[i].grad = g
         self._next_step()
 

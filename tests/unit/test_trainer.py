@@ -206,6 +206,12 @@ def test_stale_gradients() -> None:
         tr.step(1)
     tr.step(1, ignore_stale_grad=True)
     assert torch.equal(a.detach(), torch.zeros(3)) and torch.equal(b.detach(), torch.ones(3))
+    a, b = _ones_param(), _ones_param()  # no store: b is left alone, momentum and weight decay too (Gluon)
+    tr = pskv.Trainer([a, b], "sgd", {"learning_rate": 1.0, "momentum": 0.9, "wd": 0.1}, kvstore=None)
+    for _ in range(2):
+        a.grad = torch.ones(3)
+        tr.step(1, ignore_stale_grad=True)
+    assert torch.equal(b.detach(), torch.ones(3)) and b.grad is None and not torch.equal(a.detach(), torch.ones(3))
 
 
 def test_misuse_is_a_clear_error(inproc_job: Job) -> None:
