@@ -93,7 +93,7 @@ class Part:
     base: dict[int, int] = field(default_factory=dict)  # worker -> the rounds before it rejoined (it counts from 0)
     queued: dict[int, deque[tuple[Tensor, Optional[Answer], bool]]] = field(default_factory=dict)  # not merged yet
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
-    rescale: Optional[tuple[int, float]] = None  # (round, rescale) a pull brought before that round merged
+    rescale: Optional[tuple[int, float]] = None  # (round, rescale) the round's first pull brought (the others must agree)
     pulls: list[Answer] = field(default_factory=list)
 
     @property
@@ -267,6 +267,9 @@ class Rounds:
                 raise ProtocolError(f"{p}: row ids outside [0, {p.rows})")
             if p.mode == "sync" and e.round > p.rounds and (blocker := self._blocker(p, e.round)):
                 raise blocker
+            if e.rescale is not None and p.rescale is not None and p.rescale[0] == e.round and p.rescale[1] != e.rescale:
+                raise OptimizerError(f"{p}: worker {rank}'s Trainer.step scales round {e.round} by {e.rescale:g} (1/batch_size), another "
+                                     f"worker's by {p.rescale[1]:g}: in dist_sync every worker must pass the same batch_size")
         out: list[Answer] = []
         updated = 0
         for i, e in enumerate(entries):
@@ -275,7 +278,7 @@ class Rounds:
                 early(out)
                 out, updated = [], 0
             if e.rescale is not None and p.held is not None and e.round == p.rounds + 1 and self.optimizer is not None:
-                held, p.held = p.held, None  # the held round's update, with the rescale this pull brings
+                held, p.held, p.rescale = p.held, None, (e.round, e.rescale)  # the held round's update, with the rescale this pull brings
                 out += self._apply(p, held, e.rescale)
                 out += self._complete(p)
                 updated += p.nbytes

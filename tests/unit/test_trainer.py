@@ -102,6 +102,23 @@ def test_batch_size_scales_the_sum(inproc_job: Job) -> None:
     assert job.run_workers(body) == [-2.0, -2.0]
 
 
+def test_workers_with_different_batch_sizes_are_an_error(inproc_job: Job) -> None:
+    """The servers took the scale of whichever worker's pull came first: weights changed from run to run."""
+
+    def body(kv: KVStore) -> Any:
+        w = _ones_param(2)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0}, kvstore=kv)
+        w.grad = torch.ones(2)
+        try:
+            tr.step(1 if kv.rank == 0 else 4)
+        except pskv.OptimizerError as exc:
+            return str(exc)
+        return None
+
+    said = [m for m in inproc_job(2, 1).run_workers(body) if m is not None]
+    assert len(said) == 1 and "in dist_sync every worker must pass the same batch_size" in said[0], said
+
+
 # -- same numbers as torch.optim --------------------------------------------------------------------
 
 
