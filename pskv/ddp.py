@@ -5,8 +5,9 @@ back, instead of an all-reduce among the workers."""
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,13 +30,12 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
         raise KVStoreError(f"ddp_hook op {op!r}: it must be 'average' or 'sum'")
     if kv.type == "dist_async":
         raise KVStoreError("ddp_hook needs summed rounds; a dist_async store applies each push on its own")
-    if kv._optimizer is not None:
-        raise KVStoreError("ddp_hook: the store runs an optimizer, so a pull would return weights, not the summed gradients")
-    waiting: queue.SimpleQueue[tuple[Any, torch.futures.Future[Tensor], Tensor]] = queue.SimpleQueue()
+    _no_optimizer(kv)
+    waiting: queue.SimpleQueue[Optional[tuple[Any, torch.futures.Future[Tensor], Tensor]]] = queue.SimpleQueue()
 
     def complete() -> None:  # one bucket after the other, in the order DDP handed them over
-        while True:
-            handle, future, buffer = waiting.get()
+        while (item := waiting.get()) is not None:  # None: the hook is gone
+            handle, future, buffer = item
             try:
                 handle.wait()
                 future.set_result(buffer.div_(kv.num_workers) if op == "average" else buffer)
@@ -46,6 +46,7 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
     known: set[str] = set()
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:  # type: ignore[name-defined]  # (DDP checks them)
+        _no_optimizer(kv)  # (one set since the hook was made: a Trainer's on this store?)
         buffer = bucket.buffer()
         key = f"ddp-bucket-{bucket.index()}-{buffer.numel()}"
         if key not in known:  # every worker meets the same buckets in the same order: their inits agree
@@ -55,4 +56,10 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
         waiting.put((kv.pushpull(key, buffer, wait=False), future, buffer))
         return future
 
+    weakref.finalize(hook, waiting.put, None)  # its thread ends with it
     return hook
+
+
+def _no_optimizer(kv: KVStore) -> None:
+    if kv._optimizer is not None:
+        raise KVStoreError("ddp_hook: the store runs an optimizer, so a pull would return weights, not the summed gradients")

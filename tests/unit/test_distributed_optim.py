@@ -210,3 +210,22 @@ def test_a_parameter_no_worker_used_keeps_no_gradient(inproc_job: Job) -> None:
     for a, b, w in zip(got[0], got[1], want):
         assert torch.equal(a, b), "the workers' weights differ"
         assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
+
+
+def test_the_ddp_hook_refuses_a_store_that_got_an_optimizer_and_its_thread_ends_with_it() -> None:
+    import gc
+    import threading
+
+    kv = pskv.kv.create("local")
+    hook = pskv.ddp_hook(kv)
+    assert [t for t in threading.enumerate() if t.name == "pskv-ddp-hook"]
+    kv.set_optimizer(pskv.optim.create("sgd"))  # after the hook was made: it returned weights as gradients
+    with pytest.raises(pskv.KVStoreError, match="the store runs an optimizer"):
+        hook(None, None)
+    del hook
+    gc.collect()
+    for _ in range(100):  # (it wakes up to end)
+        if not [t for t in threading.enumerate() if t.name == "pskv-ddp-hook"]:
+            break
+        threading.Event().wait(0.05)
+    assert not [t for t in threading.enumerate() if t.name == "pskv-ddp-hook"]  # it stayed, one per hook made
