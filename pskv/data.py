@@ -51,10 +51,11 @@ class SplitSampler(Sampler[int]):
         return self.part_len
 
 
-def split_and_load(batch: Tensor, devices: Sequence[Union[torch.device, str]], batch_axis: int = 0,
+def split_and_load(batch: Tensor, devices: Union[Sequence[Union[torch.device, str]], torch.device, str], batch_axis: int = 0,
                    even_split: bool = True) -> list[Tensor]:
-    """Split ``batch`` along ``batch_axis`` into one part per device (docs/SPEC.md, section 7);
-    fewer rows than devices is a ``ValueError`` either way, as in MXNet."""
+    """Split ``batch`` along ``batch_axis`` into one part per device (docs/SPEC.md, section 7; one
+    device alone is a list of one); fewer rows than devices is a ``ValueError`` either way, as in MXNet."""
+    devices = [devices] if isinstance(devices, (str, torch.device)) else devices  # ("cpu" is no list of "c", "p", "u")
     n = len(devices)
     if n == 0:
         raise ValueError("split_and_load needs at least one device, got an empty list")

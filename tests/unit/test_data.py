@@ -124,6 +124,9 @@ def test_split_and_load_other_axis_and_single_device() -> None:
     only = split_and_load(batch, [torch.device("cpu")])
     assert len(only) == 1 and only[0] is batch  # already there: no copy, like as_in_context
     assert len(split_and_load(torch.arange(3), ["cpu"], even_split=True)) == 1
+    for one in ("cpu", torch.device("cpu")):  # a device alone, not in a list ("cpu" was split as "c", "p", "u")
+        alone = split_and_load(batch, one)
+        assert len(alone) == 1 and alone[0] is batch
 
 
 def test_split_and_load_too_small_or_no_devices() -> None:
