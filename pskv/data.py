@@ -4,6 +4,7 @@ split of the data without talking to the others (data sets and models are in ``p
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Union
 
@@ -20,8 +21,8 @@ class SplitSampler(Sampler[int]):
     permuted by a generator seeded with ``seed + epoch``."""
 
     def __init__(self, length: int, num_parts: int = 1, part_index: int = 0, shuffle: bool = True, seed: int = 0) -> None:
-        if num_parts < 1:
-            raise ValueError(f"num_parts must be >= 1, got num_parts={num_parts}")
+        if not all(isinstance(n, numbers.Integral) for n in (length, num_parts, part_index)) or num_parts < 1:  # (numpy's too)
+            raise ValueError(f"length, num_parts and part_index are whole numbers, num_parts >= 1; got length={length!r}, num_parts={num_parts!r}, part_index={part_index!r}")
         if not 0 <= part_index < num_parts:
             raise ValueError(f"part_index must be in [0, num_parts) = [0, {num_parts}), got part_index={part_index}")
         if length < num_parts:

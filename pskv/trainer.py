@@ -247,7 +247,7 @@ class Trainer:
             self._kv.set_optimizer(self._optimizer)  # the same object: states are kept
 
     def _set_scale(self, batch_size: float) -> float:
-        if not isinstance(batch_size, (int, float)) or isinstance(batch_size, bool) or batch_size <= 0:
+        if not isinstance(batch_size, (int, float)) or isinstance(batch_size, bool) or not 0 < batch_size < float("inf"):
             raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")
         scale = self._scale / batch_size
         self._optimizer.set_rescale_grad(scale)

@@ -84,6 +84,7 @@ def test_split_sampler_iteration_advances_the_epoch() -> None:
         ({"length": 10, "num_parts": 2, "part_index": 2}, "part_index=2"),
         ({"length": 10, "num_parts": 2, "part_index": -1}, "part_index=-1"),
         ({"length": 3, "num_parts": 4, "part_index": 0}, "length=3"),
+        ({"length": 10.0, "num_parts": 2}, "are whole numbers.*length=10.0"),  # (was randperm's TypeError)
     ],
 )
 def test_split_sampler_argument_errors(kwargs: dict[str, int], match: str) -> None:

@@ -238,8 +238,9 @@ def test_misuse_is_a_clear_error(inproc_job: Job) -> None:
         tr.allreduce_grads()
     with pytest.raises(pskv.TrainerError, match=r"update\(\) needs update_on_kvstore=False"):
         tr.update(1)
-    with pytest.raises(pskv.TrainerError, match="batch_size must be a positive number"):
-        tr.step(0)
+    for bad in (0, float("nan"), float("inf")):  # (nan was taken, and failed in the optimizer)
+        with pytest.raises(pskv.TrainerError, match="batch_size must be a positive number"):
+            tr.step(bad)
     with pytest.raises(pskv.TrainerError, match="no parameters"):
         pskv.Trainer([], "sgd")
     with pytest.raises(pskv.TrainerError, match="frozen"):
