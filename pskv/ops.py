@@ -8,6 +8,11 @@ import torch
 from torch import Tensor
 
 
+def outside(rows: Tensor, n: int) -> bool:
+    """Whether any of the row ids ``rows`` falls outside ``[0, n)``."""
+    return bool(rows.numel()) and (int(rows.min()) < 0 or int(rows.max()) >= n)
+
+
 def reduce_values(values: Sequence[Tensor], device: torch.device) -> Tensor:
     """The sum of ``values`` on ``device``, never aliasing an input; row-sparse (coalesced) if all are."""
     dense = [v for v in values if not v.is_sparse]

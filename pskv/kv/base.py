@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import errors
 from ..compression import Compressor
-from ..ops import reduce_values, write_rows
+from ..ops import outside, reduce_values, write_rows
 from ..optim import Optimizer, apply_push, load_states, save_states
 from ..ps.tracker import Handle
 
@@ -141,8 +141,7 @@ class KVStore:
             if v.is_sparse and v.sparse_dim() != 1:
                 raise errors.SparseError(f"key {key!r}: a sparse {what} must be row-sparse "
                                          f"(sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}")
-            rows = v._indices() if v.is_sparse else None  # torch does not check them unless asked
-            if rows is not None and rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= v.shape[0]):
+            if v.is_sparse and outside(rows := v._indices(), v.shape[0]):  # torch does not check them unless asked
                 raise errors.SparseError(f"key {key!r}: a sparse {what} has row indices outside [0, {v.shape[0]}): "
                                          f"min {int(rows.min())}, max {int(rows.max())}")
         return items
@@ -261,7 +260,7 @@ class KVStore:
         if not meta.shape:
             raise errors.SparseError(f"{meta}: a scalar has no rows")
         rows = rows.detach().to("cpu", torch.int64)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= meta.shape[0]):
+        if outside(rows, meta.shape[0]):
             raise errors.SparseError(f"{meta}: row_ids must be in [0, {meta.shape[0]}), got min {int(rows.min())}, max {int(rows.max())}")
         return cast(Tensor, torch.unique(rows))  # sorted
 

@@ -24,6 +24,7 @@ from ..errors import (
     deadline,
     finished_without,
 )
+from ..ops import outside
 from ..optim import KeyState, Optimizer, apply_push
 
 PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
@@ -263,7 +264,7 @@ class Rounds:
             p = e.part
             if p.mode == "sync" and e.round > p.pushed.get(rank, 0):
                 raise ProtocolError(f"{p}: worker {rank} pulls round {e.round} but pushed only {p.pushed.get(rank, 0)}")
-            if e.rows is not None and e.rows.numel() and (int(e.rows.min()) < 0 or int(e.rows.max()) >= p.rows):
+            if e.rows is not None and outside(e.rows, p.rows):
                 raise ProtocolError(f"{p}: row ids outside [0, {p.rows})")
             if p.mode == "sync" and e.round > p.rounds and (blocker := self._blocker(p, e.round)):
                 raise blocker

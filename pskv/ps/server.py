@@ -18,6 +18,7 @@ from torch import Tensor
 from .. import config
 from ..compression import Codec
 from ..errors import ClusterError, NodeFailedError, NonFiniteError, ProtocolError, PSKVError
+from ..ops import outside
 from . import shm, timeline
 from .message import (
     ANSWER,
@@ -262,7 +263,7 @@ class Server(Node):
             return frame_tensor(payload[0], p.dtype, p.numel).view(p.rows, p.row_numel)
         if row.kind == PushKind.SPARSE and len(payload) == 2:
             ids = frame_tensor(payload[0], torch.int64)
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= p.rows):
+            if outside(ids, p.rows):
                 raise ProtocolError(f"{p}: pushed row ids outside [0, {p.rows})")
             values = frame_tensor(payload[1], p.dtype, ids.numel() * p.row_numel).view(-1, p.row_numel)
             return torch.sparse_coo_tensor(ids.unsqueeze(0), values, (p.rows, p.row_numel), check_invariants=False)
