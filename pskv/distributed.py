@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .errors import TrainerError
 from .kv.base import KVStore
-from .trainer import Trainer
+from .trainer import BROADCAST_KEYS, Trainer
 
 
 class _Distributed:
@@ -105,7 +105,7 @@ def _fresh_keys(kv: KVStore, n: int) -> list[Any]:
     used = list(kv._keys)
     if used and isinstance(used[0], str):
         return [f"pskv-broadcast-{len(used) + i}" for i in range(n)]
-    start = max([2**40 - 1, *(k for k in used if isinstance(k, int))]) + 1
+    start = max([BROADCAST_KEYS - 1, *(k for k in used if isinstance(k, int))]) + 1
     return list(range(start, start + n))
 
 

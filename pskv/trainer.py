@@ -20,6 +20,7 @@ from .kv.base import Key
 from .ps import timeline
 from .ps.tracker import Handle
 
+BROADCAST_KEYS = 2**40  # int keys from here up are the broadcasts' (pskv.distributed), below a Trainer's
 RUN_BYTES = 4 << 20  # with overlap, gradients are pushed and weights pulled in calls of about this many bytes
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
@@ -57,13 +58,13 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
 
 def _own_keys(kv: KVStore, keys: list[Key]) -> list[Key]:
     """``keys``, or, where another Trainer on ``kv`` has them (a GAN's two), the next free ones: ints
-    after the store's (below the broadcasts' 2**40), names with ``#1``, ``#2``, ... (every worker makes
+    after the store's (below the broadcasts'), names with ``#1``, ``#2``, ... (every worker makes
     its Trainers in one order, so they agree)."""
     taken = set(kv._keys)
     if not taken.intersection(keys):
         return keys
     if isinstance(keys[0], int):
-        start = max(k for k in taken if isinstance(k, int) and k < 2**40) + 1
+        start = max(k for k in taken if isinstance(k, int) and k < BROADCAST_KEYS) + 1
         return [start + cast(int, k) for k in keys]
     n = next(i for i in range(1, len(taken) + 2) if not taken.intersection(f"{k}#{i}" for k in keys))
     return [f"{k}#{n}" for k in keys]
