@@ -62,7 +62,9 @@ class Handle:
                 tracker.raise_failure()  # it may be why this answer is not coming
                 if time.monotonic() > until:  # the I/O thread is gone; do not hang
                     raise DeadlineExceeded("no answer within PSKV_TIMEOUT plus a margin, and the I/O thread stopped expiring requests")
-        if self.error is not None:  # this call's own failure: it says what the call was
+        if self.error is not None:  # this call's own failure: it says what the call was, unless a push was
+            if tracker is not None and tracker.fatal is None:  # refused before it (why it failed: a pull
+                tracker.raise_failure()  # after a NaN push); a lost node fails both (the job's error)
             _raise(self.error)
         if tracker is not None:
             tracker.raise_failure()  # the job's fatal error or a failed push's, if any

@@ -287,3 +287,15 @@ def test_live_sockets_take_thousands_of_fuzzed_messages(inproc_job: Job, monkeyp
         proven.close()
         stranger.close()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_pull_after_a_refused_push_raises_the_push_error(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push is refused (NaN); the pull that follows it fails on the server too (its round was never
+    pushed): the worker hears why, the NaN, whichever answer it reads first (fp16 without PSKV_NONFINITE)."""
+    monkeypatch.setenv("PSKV_NONFINITE", "error")
+    for _ in range(5):  # the push's answer comes before the pull is sent or after: either way
+        with inproc_job(1, 1).worker() as kv:
+            kv.init("w", torch.zeros(4))
+            kv.push("w", torch.full((4,), float("nan")), wait=False)
+            with pytest.raises(pskv.NonFiniteError, match="worker 0 pushed NaN or Inf to key 'w'"):
+                kv.pull("w", torch.empty(4))
