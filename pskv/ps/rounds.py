@@ -24,7 +24,7 @@ from ..errors import (
     deadline,
     finished_without,
 )
-from ..ops import outside
+from ..ops import outside, reduce_values
 from ..optim import KeyState, Optimizer, apply_push
 
 PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
@@ -227,11 +227,8 @@ class Rounds:
         """Sum one push of every worker: into the value itself when it replaces it (no optimizer, dense:
         None is returned), else into the part's scratch buffer (the optimizer needs no full-size temporaries)."""
         assert p.value is not None
-        if any(g.is_sparse for g in grads):
-            if not all(g.is_sparse for g in grads):
-                return torch.stack([g.to_dense() for g in grads]).sum(0)
-            indices, values = torch.cat([g._indices() for g in grads], dim=1), torch.cat([g._values() for g in grads])
-            return torch.sparse_coo_tensor(indices, values, grads[0].shape).coalesce()
+        if any(g.is_sparse for g in grads):  # (row-sparse if every push is)
+            return reduce_values(grads, p.value.device)
         if self.optimizer is None:
             _sum_into(p.value, grads)
             return None

@@ -159,6 +159,16 @@ def test_sparse_pushes_are_merged_as_rows() -> None:
     assert p.value.tolist() == [[1.0, 1.0], [0.0, 0.0], [2.0, 2.0]]  # the sum replaces every row
 
 
+def test_a_round_of_sparse_and_dense_pushes_sums_them_all() -> None:
+    r = Rounds(2, timeout=10.0)
+    for rank in range(2):
+        r.init(rank, rank, "sync", [entry(numel=6, row_numel=2, value=torch.full((6,), 9.0) if rank == 0 else None)])
+    p = r.part(0, 0)
+    r.push(0, 0, [PushEntry(p, 1, torch.sparse_coo_tensor(torch.tensor([[2, 0, 2]]), torch.ones(3, 2), (3, 2)), False)])
+    r.push(1, 1, [PushEntry(p, 1, torch.arange(6.0).view(3, 2), False)])
+    assert p.value.tolist() == [[1.0, 2.0], [2.0, 3.0], [6.0, 7.0]]  # row 2 twice in one push: summed too
+
+
 def test_a_finished_worker_fails_the_rounds_that_need_it_at_once() -> None:
     r = made(2)
     p = r.part(0, 0)
