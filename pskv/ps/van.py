@@ -202,7 +202,8 @@ class Van:
                     route = bytes(frames[0].buffer)
                     if route not in self._fds and self._monitors:
                         with contextlib.suppress(zmq.ZMQError):  # (EINVAL for some frames: the next one tells)
-                            self._fds[route] = frames[1].get(zmq.SRCFD)
+                            fd = frames[1].get(zmq.SRCFD)  # (a connection that had it before is gone)
+                            self._fds = {r: f for r, f in self._fds.items() if f != fd} | {route: fd}
                     if self.secret is not None and route not in self._peers:
                         self._admit(route, frames[1:])
                         continue
@@ -225,9 +226,10 @@ class Van:
                 # (a suspicion only: the descriptor may have been reused by a connection that has
                 # not sent yet, so a peer that goes on sending is alive; the next message tells its fd)
                 route = next((r for r, f in self._fds.items() if f == fd), None)
+                if route is not None:  # (its descriptor may be reused: forget it, a stranger's too)
+                    del self._fds[route]
                 if route is None or (self.secret is not None and route not in self._peers):
                     continue  # one that sent nothing, or a stranger's
-                del self._fds[route]
                 peer = "client:" + route.hex()
             out.append((peer, PeerGone("its connection closed: the process exited or was killed")))
         return out

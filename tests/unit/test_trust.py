@@ -299,3 +299,32 @@ def test_a_pull_after_a_refused_push_raises_the_push_error(inproc_job: Job, monk
             kv.push("w", torch.full((4,), float("nan")), wait=False)
             with pytest.raises(pskv.NonFiniteError, match="worker 0 pushed NaN or Inf to key 'w'"):
                 kv.pull("w", torch.empty(4))
+
+
+def test_a_strangers_closed_connection_does_not_hide_a_later_ones_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stranger's connection closes; a node's connection then gets its descriptor: that one's end is
+    still reported at once (it was taken for the stranger's and ignored: a 30 s heartbeat wait)."""
+    monkeypatch.setenv("PSKV_SECRET", SECRET)
+    van = Van("scheduler")
+    endpoint = van.listen("tcp://127.0.0.1:0")
+
+    def drain(seconds: float) -> list[Any]:
+        got, until = [], time.monotonic() + seconds
+        while time.monotonic() < until:
+            got += van.recv(0.1)
+        return got
+
+    try:
+        for _ in range(2):
+            stranger = _socket(endpoint, b"not a proof")
+            drain(0.5)
+            stranger.close()
+            drain(0.5)
+            node = _socket(endpoint, _proof_frame(SECRET, "server", 0, endpoint))
+            node.send(encode(Message(Type.HEARTBEAT))[0])
+            assert [m.type for _, m in drain(0.5)] == [Type.HEARTBEAT]
+            node.close()
+            gone = drain(1.0)
+            assert [type(m).__name__ for _, m in gone] == ["PeerGone"], gone
+    finally:
+        van.close(0)
