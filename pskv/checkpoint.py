@@ -34,13 +34,13 @@ def latest(directory: Union[str, Path]) -> Optional[Path]:
     return max(done, key=_epoch, default=None)
 
 
-def save(directory: Union[str, Path], epoch: int, model: nn.Module, trainer: Trainer, progress: dict[str, Any]) -> None:
-    """Every worker calls this at the same point, after ``epoch`` epochs: worker 0 writes the
+def save(directory: Union[str, Path], epoch: int, model: nn.Module, trainer: Trainer, progress: dict[str, Any], writer: int = 0) -> None:
+    """Every worker calls this at the same point, after ``epoch`` epochs: worker ``writer`` writes the
     checkpoint while the others wait at a barrier (the servers' states are read while no one
     pushes); older checkpoints are then removed."""
     kv = trainer.kvstore
     trainer.synchronize()  # with the exchange overlapped, the last step's weights may still be coming
-    if kv is None or kv.rank == 0:
+    if kv is None or kv.rank == writer:
         final = Path(directory) / f"{PREFIX}{epoch}"
         temp = final.with_name(final.name + ".tmp")
         shutil.rmtree(temp, ignore_errors=True)

@@ -33,18 +33,15 @@ Shapes = list[tuple[int, ...]]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    description = "Time push+pull rounds of a model's parameters; compare with gloo all-reduce."
-    p = argparse.ArgumentParser(prog="pskv bench", description=description)
+    p = argparse.ArgumentParser(prog="pskv bench", description="Time push+pull rounds of a model's parameters; compare with gloo all-reduce.")
     what = p.add_mutually_exclusive_group()
-    models = ["resnet18", "resnet50", "vgg16"]
-    what.add_argument("--model", default="resnet18", choices=models, help="its arrays (%(default)s)")
+    what.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50", "vgg16"], help="its arrays (%(default)s)")
     what.add_argument("--size-mb", type=float, help="one array of this many MB (fp32) instead of a model")
     p.add_argument("-n", "--num-workers", type=int, default=2, help="%(default)s")
     p.add_argument("-s", "--num-servers", type=int, default=2, help="%(default)s")
     p.add_argument("--rounds", type=int, default=20, help="timed rounds (%(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (%(default)s)")
-    stores = ["dist_sync", "dist_device_sync", "dist_async"]
-    p.add_argument("--kv-store", default="dist_sync", choices=stores, help="%(default)s")
+    p.add_argument("--kv-store", default="dist_sync", choices=["dist_sync", "dist_device_sync", "dist_async"], help="%(default)s")
     p.add_argument("--compare", choices=["gloo"], help="also time torch.distributed all_reduce over gloo")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--worker", choices=["pskv", "gloo"], help=argparse.SUPPRESS)  # a launched process
@@ -73,8 +70,7 @@ def pskv_worker(args: argparse.Namespace, shapes: Shapes) -> list[dict[str, Any]
     bad = [k for k, o in zip(keys, outs) if not torch.all(o == want)]
     if bad:
         raise PSKVError(f"worker {kv.rank}: wrong values in {len(bad)} arrays (first: key {bad[0]}), not {want}")
-    shm = bool(getattr(kv, "_shm_servers", None))
-    everyone = kv.allgather({"rank": kv.rank, "seconds": times, "shm": shm})
+    everyone = kv.allgather({"rank": kv.rank, "seconds": times, "shm": bool(getattr(kv, "_shm_servers", None))})
     kv.close()
     return everyone
 

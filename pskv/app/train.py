@@ -82,18 +82,20 @@ def run_worker(args: argparse.Namespace) -> int:
     test_set = datasets.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
     train_tf, test_tf = datasets.transforms_for(args.dataset, args.image_size)
 
-    def share(live: list[int]) -> tuple[SplitSampler, range]:
-        i, n = live.index(rank), len(live)
-        return SplitSampler(len(train_set), n, i, shuffle=True, seed=args.seed), range(len(test_set) * i // n, len(test_set) * (i + 1) // n)
+    def share(everyone: list[dict[str, Any]]) -> tuple[SplitSampler, range, int]:
+        """This worker's data among the live ones; who reports: of those with every epoch's row, the lowest rank."""
+        live = [e["rank"] for e in everyone]
+        i, n, leader = live.index(rank), len(live), min((e["since"], e["rank"]) for e in everyone if "since" in e)[1]
+        return SplitSampler(len(train_set), n, i, shuffle=True, seed=args.seed), range(len(test_set) * i // n, len(test_set) * (i + 1) // n), leader
 
-    sampler, test_part = share(list(range(workers)))
+    sampler, test_part, leader = share([{"rank": r, "since": 0} for r in range(workers)])
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
     generator = torch.Generator().manual_seed(args.seed + 1000 * rank)  # augmentation differs per worker
 
     # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
     classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
     nets = [models.get_model(args.model, classes, channels, args.image_size).to(d) for d in devices]
-    resumed = checkpoint.latest(args.checkpoint_dir) if args.resume else None
+    resumed = checkpoint.latest(args.checkpoint_dir) if args.resume and not kv.rejoined else None  # (one back: the job's own)
     progress = checkpoint.load_weights(resumed, nets) if resumed else {}  # before the Trainer sends them
     hyper: dict[str, Any] = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
     steps = max(2, steps_per_epoch * args.epochs)
@@ -113,7 +115,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if resumed:
         checkpoint.load_states(resumed, trainer)
 
-    if rank == 0:
+    if rank == 0 and not kv.rejoined:
         store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
         print(f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
               f"images), {workers} worker(s) x {len(devices)} device(s), store {store}, "
@@ -121,11 +123,14 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.resume:
             print(f"pskv train: resuming from {resumed}, {progress['epoch']} epochs done" if resumed else f"pskv train: no checkpoint in {args.checkpoint_dir} yet; starting", flush=True)
     history: list[dict[str, Any]] = progress.get("history", [])
-    first = progress.get("epoch", 0)
+    first = since = progress.get("epoch", 0)
     if kv.rejoined:  # in a lost worker's place (pskv launch --max-restarts): in from the others' next epoch
         everyone = kv.allgather({"rank": rank})
-        first, (sampler, test_part) = max(e.get("epoch", 0) for e in everyone), share([e["rank"] for e in everyone])
+        first = since = max(e.get("epoch", 0) for e in everyone)
+        sampler, test_part, leader = share(everyone)
         trainer.pull_weights()
+        if args.checkpoint_dir:  # the others save the epoch they have finished: its barrier counts this worker in
+            checkpoint.save(args.checkpoint_dir, first, nets[0], trainer, {}, writer=leader)
     started = time.perf_counter()
     for epoch in range(first, args.epochs):
         # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
@@ -135,7 +140,7 @@ def run_worker(args: argparse.Namespace) -> int:
         bar = tqdm(
             datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), unit="batch", leave=False,
             total=math.ceil(len(sampler) / args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}",
-            file=sys.stderr, ncols=100, disable=rank != 0 or args.no_progress,
+            file=sys.stderr, ncols=100, disable=rank != leader or args.no_progress,
         )  # fmt: skip
         t0, exchange = time.perf_counter(), 0.0
         for i, (x, y) in enumerate(bar):
@@ -167,8 +172,8 @@ def run_worker(args: argparse.Namespace) -> int:
         net.train()
         mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
                 "test_correct": test_correct, "test_seen": len(test_part)}  # fmt: skip
-        everyone = kv.allgather({**mine, "rank": rank, "epoch": epoch + 1})  # the workers in the job now
-        sampler, test_part = share([e["rank"] for e in everyone])
+        everyone = kv.allgather({**mine, "rank": rank, "epoch": epoch + 1, "since": since})  # the workers in the job now
+        sampler, test_part, leader = share(everyone)
         everyone = [e for e in everyone if "seen" in e]  # not a worker that rejoins here
         total = {key: sum(e[key] for e in everyone) for key in mine}
         row = {
@@ -181,20 +186,20 @@ def run_worker(args: argparse.Namespace) -> int:
             "samples_per_sec_per_worker": seen / seconds,
             "lr": trainer.learning_rate,
             "workers": len(everyone),
-            "exchange_share": exchange / seconds,  # of worker 0's epoch: the time in trainer.step
+            "exchange_share": exchange / seconds,  # of this worker's epoch: the time in trainer.step
             **({"loss_scale": scale.value} if scale else {}),
         }
         history.append(row)
         for name, value in row.items() if board else ():
             board.add_scalar(f"epoch/{name}", value, epoch + 1)
-        if rank == 0:
+        if rank == leader:
             print(f"epoch {row['epoch']}, loss {row['loss']:.4f}, train acc {row['train_acc']:.4f}, "
                   f"test acc {row['test_acc']:.4f}, time {row['seconds']:.1f} s, "
                   f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
                   f"{row['samples_per_sec']:.1f} samples/s total", flush=True)
         if args.checkpoint_dir:
-            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history})
-    if rank == 0 and history:
+            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history}, writer=leader)
+    if rank == leader and history:
         last, seconds = history[-1], time.perf_counter() - started
         # the run's samples/s: every epoch's rate weighted by its time
         rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)
@@ -211,8 +216,7 @@ def run_worker(args: argparse.Namespace) -> int:
             args.report.parent.mkdir(parents=True, exist_ok=True)
             args.report.write_text(json.dumps(report, indent=2) + "\n")
         if args.plot:
-            title = f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})"
-            plot(history, args.plot, title)
+            plot(history, args.plot, f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})")
     if board:
         board.close()
     kv.close()

@@ -198,6 +198,9 @@ class Scheduler:
     def _barrier(self, node: _Node, msg: Message) -> None:
         group = str((msg.meta or {}).get("group", "worker"))
         if node.joining:
+            if "value" not in (msg.meta or {}):  # the others' barrier would take it for theirs
+                raise ClusterError(f"{node} is back in a lost worker's place and joins at the others' next allgather; "
+                                   "a plain barrier() before it admits no one (SPEC: a worker back)")
             self.admits[node.peer] = msg
             return
         if gone := [n for n in self._members(group) if n.finished]:

@@ -6,6 +6,7 @@ on a mismatch; the test checks the launcher's status and shows every process's o
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import sys
@@ -612,9 +613,41 @@ def test_max_restarts_a_killed_worker_rejoins_the_running_job(tmp_path: Path) ->
     assert "restarted worker 2 (restart 1 of 1)" in res.stderr, res
 
 
-def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path) -> None:
-    """``pskv train`` by 3 workers, ``--max-restarts 1``: worker 2 killed (-9) after the first epoch is
-    back for a later epoch; the report counts 3 workers again and every epoch is there."""
+def test_a_plain_barrier_of_a_worker_back_is_refused_by_name(tmp_path: Path) -> None:
+    """SPEC: a plain ``barrier()`` admits no one. One by a worker back in a lost one's place was taken
+    as its request to be admitted, and everyone's allgather then held None for it (``pskv train
+    --resume`` with ``--max-restarts`` crashed so): now an error that says so; its allgather admits it."""
+    script = """
+    import os, signal, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(2))
+    if kv.rejoined:
+        try:
+            kv.barrier()
+        except pskv.PSKVError as exc:
+            print("refused:", exc, flush=True)
+        print("members", kv.allgather({"rank": kv.rank}), flush=True)
+    elif kv.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        while len(got := kv.allgather({"rank": kv.rank})) < 3:
+            time.sleep(0.2)
+        print("members", got, flush=True)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 1, launch_args=["--min-workers", "2", "--max-restarts", "1"], timeout=90)
+    assert res.code == 0, res
+    assert "worker 2 (host" in res.stdout and "is back in a lost worker's place and joins at the others' next allgather" in res.stdout, res
+    assert res.stdout.count("members [{'rank': 0}, {'rank': 1}, {'rank': 2}]") == 3, res
+
+
+@pytest.mark.parametrize("victim", ["2", "0"])
+def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path, victim: str) -> None:
+    """``pskv train`` by 3 workers, ``--max-restarts 1``, checkpoints and ``--resume``: worker 2 (or 0,
+    the one that reports) killed (-9) after the first epoch is back for a later epoch (it takes the
+    job's weights, not the checkpoint's); the report counts 3 workers again and every epoch is in
+    it, printed once, and in the last checkpoint (worker 1 writes them while worker 0 is away, and
+    after: it has every epoch's row)."""
     import json
 
     from .jobs import REPO, run
@@ -625,7 +658,7 @@ def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path) -
         import os, signal, sys, time
         import pskv.kv.base as base
         from pskv.app.train import main
-        first_life = os.environ.get("DMLC_WORKER_ID") == "2" and "PSKV_RESTARTS" not in os.environ
+        first_life = os.environ.get("DMLC_WORKER_ID") == os.environ["VICTIM"] and "PSKV_RESTARTS" not in os.environ
         allgather = base.KVStore.allgather
         def die_after_the_first_epoch(self, value):
             got = allgather(self, value)
@@ -638,14 +671,20 @@ def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path) -
         sys.exit(main(sys.argv[1:]))
     """))
     argv = [sys.executable, "-m", "pskv", "launch", "-n", "3", "-s", "1", "--min-workers", "2", "--max-restarts", "1", "--",
-            sys.executable, str(script), "--model", "small_cnn", "--epochs", "12", "--no-progress", "--report", str(report)]  # fmt: skip
-    res = run(argv, timeout=240, env={"PYTHONPATH": str(REPO)}, cwd=tmp_path)
+            sys.executable, str(script), "--model", "small_cnn", "--epochs", "12", "--no-progress", "--report", str(report),
+            "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]  # fmt: skip
+    res = run(argv, timeout=240, env={"PYTHONPATH": str(REPO), "VICTIM": victim}, cwd=tmp_path)
     assert res.code == 0, res
-    assert "restarted worker 2 (restart 1 of 1)" in res.stderr, res
+    assert f"restarted worker {victim} (restart 1 of 1)" in res.stderr, res
     epochs = json.loads(report.read_text())["epochs"]
     assert [e["epoch"] for e in epochs] == list(range(1, 13)), epochs
     counts = [e["workers"] for e in epochs]
     assert counts[0] == 3 and 2 in counts and counts[-1] == 3 and counts.index(2) < len(counts) - 1, counts
+    printed = [str(e) for e in range(1 if victim == "2" else 2, 13)]  # (worker 0 dies before it prints epoch 1)
+    assert re.findall(r"\] epoch (\d+), loss", res.stdout) == printed, res
+    assert res.stdout.count("pskv train: small_cnn") == 1, res
+    saved = json.loads((tmp_path / "ck" / "epoch-12" / "progress.json").read_text())["history"]
+    assert [e["epoch"] for e in saved] == list(range(1, 13)), saved
 
 
 def test_max_restarts_with_replicas_after_a_lost_server(tmp_path: Path) -> None:
