@@ -261,9 +261,10 @@ class WorkerClient(Node):
         t0 = timeline.now()
         waiter = self._transmit(f"server {server}/tx", msg, req, track=kind == Type.PUSH and bool(frames))
         timeline.span(f"send {kind.name}", t0, server=server, parts=len(batch))
-        if waiter is not None:
+        if waiter is not None:  # (zmq never lets go of the bytes for a lost server: nothing to wait for)
+            sent = lambda t: server in self.lost_servers or waiter(t)  # noqa: E731
             for handle in {id(q.entry[0]): q.entry[0] for q in batch}.values():
-                handle.sent.append(waiter)
+                handle.sent.append(sent)
         return waiter
 
     def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:

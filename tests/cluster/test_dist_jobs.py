@@ -553,6 +553,32 @@ def test_min_workers_a_stopped_worker_is_declared_lost_and_left_behind(tmp_path:
     assert "the job finished; stopped worker 1, declared lost earlier" in res.stderr, res
 
 
+def test_replicas_a_blocking_push_of_a_large_key_goes_on_after_a_lost_server(tmp_path: Path) -> None:
+    """``--replicas 1``, a 16 MB key, blocking ``push`` then ``pull``: server 0 is killed while its
+    connections still hold pushed bytes, which zmq never lets go of; a push that waited for them
+    failed after PSKV_TIMEOUT (or hung with the default). Every round's value follows SGD (lr 1)."""
+    script = """
+    import os, signal, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("big", torch.zeros(4 << 20))
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+    out, ones, seen = torch.empty(4 << 20), torch.ones(4 << 20), []
+    for r in range(8):
+        if r == 3 and kv.rank == 0:
+            os.kill(kv._client.servers[0]["pid"], signal.SIGKILL)
+            time.sleep(6)
+        kv.push("big", ones)
+        kv.pull("big", out)
+        seen.append(sorted(set(out.tolist())))
+    print("seen", kv.rank, seen, flush=True)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 2, 2, launch_args=["--replicas", "1"], env={"PSKV_TIMEOUT": "15"}, timeout=120)
+    assert res.code == 0, res
+    for rank in (0, 1):
+        assert f"seen {rank} {[[-2.0 * r] for r in range(1, 9)]}" in res.stdout, res
+
+
 def test_replicas_work_after_close_is_not_cut_short(tmp_path: Path) -> None:
     """With ``--replicas 1`` (or ``--min-workers``) the launcher stops only processes the scheduler
     declared lost: a worker still busy after ``kv.close()`` (saving, evaluating) finishes."""
