@@ -292,7 +292,10 @@ class Optimizer:
 
     def _key_state(self, key: int, weight: Tensor) -> KeyState:
         """``key``'s state (a new one shaped like ``weight``), its update counted."""
+        updatable(weight.dtype, f"key {key}")
         st = self.states.get(key)
+        if st is not None and any(t.numel() != weight.numel() for t in st.tensors.values()):  # (torch's fused kernels do not check)
+            raise OptimizerError(f"key {key}: its optimizer state is not the size of its value {tuple(weight.shape)} (states loaded for another key?)")
         if st is None:
             fills = self._rule.state(self._hyper)
             st = self.states[key] = KeyState(0, {n: torch.full_like(weight, v) for n, v in fills.items()})
@@ -395,6 +398,12 @@ def load_states(path: Union[str, Path]) -> dict[str, Any]:
 def create(name: str, *, lr_scheduler: Optional[Mapping[str, Any]] = None, **hyper: Any) -> Optimizer:
     """Build an optimizer, e.g. ``create("sgd", learning_rate=0.1, momentum=0.9, lr_scheduler=...)``."""
     return Optimizer(name, hyper, lr_scheduler)
+
+
+def updatable(dtype: torch.dtype, key: object) -> None:
+    """Refuse an update of values an optimizer cannot update (torch's kernels fail deep inside)."""
+    if not dtype.is_floating_point:
+        raise OptimizerError(f"{key}: an optimizer updates floating-point values; these are {dtype}")
 
 
 def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False) -> None:

@@ -23,7 +23,7 @@ from torch import Tensor
 from .. import errors
 from ..compression import Compressor
 from ..ops import outside, reduce_values, write_rows
-from ..optim import Optimizer, apply_push, load_states, save_states
+from ..optim import Optimizer, apply_push, load_states, save_states, updatable
 from ..ps.tracker import Handle
 
 Key = Union[int, str]
@@ -340,6 +340,8 @@ class KVStore:
 
     def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
         for meta, values in items:
+            if self._optimizer is not None:  # (before the residual changes)
+                updatable(meta.dtype, meta)
             comp = self._compressor
             if comp is not None:
                 values = [v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))

@@ -69,7 +69,7 @@ class DistStore(KVStore):
         self._bound = config.bigarray_bound()
         self._chunk = config.chunk_bytes(self._client.across_hosts)
         self._parts: dict[int, list[Part]] = {}
-        self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
+        self._round_sent = self._client.rounds_sent  # (key, part) -> the round of our latest push of it
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
         self._streams: dict[tuple[torch.device, bool], Any] = {}  # side CUDA streams per device: copies to the host, from it
@@ -182,7 +182,9 @@ class DistStore(KVStore):
         for a GPU value, its device (the part is added to ``staged``, to be copied to its page-locked
         slot). ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
         rounds = list(self._rounds(meta))  # waits for earlier pulls first
-        sparse = any(v.is_sparse for v in values)
+        if any(v.is_sparse for v in values) and not all(v.is_sparse for v in values):  # dense and row-sparse: their
+            values = [reduce_values(values, values[0].device)]  # dense sum, as the local store pushes
+        sparse = values[0].is_sparse
         comp = None if sparse else self._compressor
         gpu = not sparse and comp is None and values[0].is_cuda
         if sparse:
@@ -223,6 +225,8 @@ class DistStore(KVStore):
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
                 frames = [tensor_frame(merged_flat[p.start : p.stop])]
             out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, values[0].device if gpu else None))
+        for p, round_ in rounds:
+            self._round_sent[(meta.id, p.index)] = round_
         return out
 
     def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
@@ -231,13 +235,16 @@ class DistStore(KVStore):
             where = (meta.id, p.index)
             earlier = self._before_push.pop(where, None)
             if earlier is not None and not earlier.finished:
-                earlier.wait()  # sends what is queued first; copies its answers
+                try:
+                    earlier.wait()  # sends what is queued first; copies its answers
+                except errors.PSKVError as exc:  # its own failure is its caller's; the job's or a refused push's is this call's too
+                    if earlier.error is None or str(exc) != str(earlier.error):
+                        raise
             if earlier is not None:  # its answers are read from the server's memory, which our push lets it change
                 for copied in earlier.copies:
                     copied.synchronize()
                 earlier.copies = []  # done: the other keys of that call need not wait for them again
-            self._round_sent[where] = self._round_sent.get(where, 0) + 1
-            yield p, self._round_sent[where]
+            yield p, self._round_sent.get(where, 0) + 1  # (counted once the push's rows are made)
 
     def _slot(self, meta: KeyMeta, p: Part, gpu: bool) -> tuple[Tensor, tuple[int, int]]:
         """The host memory a part is pushed from, made once, and its (fd, offset): our shared memory
@@ -329,6 +336,7 @@ class DistStore(KVStore):
         self._client.check()
         handle = self._client.handle()
         results: list[tuple[KeyMeta, list[Tensor], list[Tensor], Tensor, Tensor]] = []
+        queued = False  # (no row wanted: nothing to wait for)
         for meta, outs, row_lists in items:
             wanted = torch.unique(torch.cat(row_lists))
             data = torch.empty(len(wanted), meta.row_numel, dtype=meta.dtype)
@@ -337,8 +345,10 @@ class DistStore(KVStore):
                 i0, i1 = torch.searchsorted(wanted, torch.tensor([r0, r1])).tolist()  # its rows of the (sorted) wanted
                 if i1 > i0:
                     self._queue_pull(handle, meta, p, data[i0:i1], (wanted[i0:i1] - r0).contiguous(), priority=priority)
+                    queued = True
             results.append((meta, outs, row_lists, wanted, data))
-        self._done(handle, True)
+        if queued:
+            self._done(handle, True)
         for meta, outs, row_lists, wanted, data in results:
             for out, rows in zip(outs, row_lists):
                 pos = torch.searchsorted(wanted, rows)

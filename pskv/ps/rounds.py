@@ -25,7 +25,7 @@ from ..errors import (
     finished_without,
 )
 from ..ops import outside, reduce_values
-from ..optim import KeyState, Optimizer, apply_push
+from ..optim import KeyState, Optimizer, apply_push, updatable
 
 PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
 ANSWER_BYTES = 4 << 20  # a pull that applies held updates answers what is done after about this many bytes of them
@@ -173,6 +173,8 @@ class Rounds:
             if p.mode == "async" and self.optimizer is None:
                 raise OptimizerRequiredError(f"key {p.name}: dist_async applies pushes on the servers and needs an "
                                              "optimizer; call set_optimizer first")
+            if self.optimizer is not None:
+                updatable(p.dtype, p)
             if p.mode == "sync" and rank in self.finished:
                 raise NodeFailedError(f"worker {rank} pushed after it finished")
             if rank not in self.workers:

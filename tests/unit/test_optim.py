@@ -248,3 +248,14 @@ def test_update_all_is_update_key_by_key(hyper: dict, dtypes: list[torch.dtype])
         many.update_all(keys, grads, [w2[k] for k in keys])
         assert all(torch.equal(g, c) for g, c in zip(grads, kept)), "a gradient was changed"
         assert all(torch.equal(a, b) for a, b in zip(w1, w2)), step
+
+
+def test_a_state_not_shaped_like_its_value_is_refused() -> None:
+    """States loaded for another key (a local store's load before init): torch's fused kernel read and
+    wrote past the state's end; now an error, and the weight is untouched."""
+    opt = create("sgd", learning_rate=1.0, momentum=0.9)
+    opt.update(0, torch.ones(2), torch.zeros(2))
+    weight = torch.zeros(6)
+    with pytest.raises(pskv.OptimizerError, match=r"key 0: its optimizer state is not the size of its value \(6,\)"):
+        opt.update(0, torch.ones(6), weight)
+    assert weight.tolist() == [0.0] * 6

@@ -289,7 +289,7 @@ def test_live_sockets_take_thousands_of_fuzzed_messages(inproc_job: Job, monkeyp
     assert "Traceback" not in capfd.readouterr().err
 
 
-def test_a_pull_after_a_refused_push_raises_the_push_error(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pull_after_a_refused_push_raises_the_push_error_and_the_key_goes_on(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """The push is refused (NaN); the pull that follows it fails on the server too (its round was never
     pushed): the worker hears why, the NaN, whichever answer it reads first (fp16 without PSKV_NONFINITE)."""
     monkeypatch.setenv("PSKV_NONFINITE", "error")
@@ -299,6 +299,11 @@ def test_a_pull_after_a_refused_push_raises_the_push_error(inproc_job: Job, monk
             kv.push("w", torch.full((4,), float("nan")), wait=False)
             with pytest.raises(pskv.NonFiniteError, match="worker 0 pushed NaN or Inf to key 'w'"):
                 kv.pull("w", torch.empty(4))
+            out = torch.empty(4)  # the refused push counted no round on either side: the key goes on
+            for value in (0.5, 0.25):
+                kv.push("w", torch.full((4,), value))
+                kv.pull("w", out)
+                assert out.tolist() == [value] * 4
 
 
 def test_a_strangers_closed_connection_does_not_hide_a_later_ones_end(monkeypatch: pytest.MonkeyPatch) -> None:
