@@ -51,7 +51,7 @@ def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optiona
                 return False
             raise ValueError(raw)
         value = raw.lower() if isinstance(default, str) else type(default)(raw)
-        if (minimum is not None and value < minimum) or (choices and value not in choices):
+        if (minimum is not None and not value >= minimum) or (choices and value not in choices):  # (not >=: NaN too)
             raise ValueError(raw)
     except ValueError:
         rule = f" >= {minimum}" if minimum is not None else f": one of {', '.join(choices)}" if choices else ""
@@ -60,11 +60,11 @@ def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optiona
 
 
 # One reader per setting of the table above.
-timeout = partial(getenv, "PSKV_TIMEOUT", 300.0)
-start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0)
-heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0)
+timeout = partial(getenv, "PSKV_TIMEOUT", 300.0, minimum=0.01)
+start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0, minimum=0.01)
+heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0, minimum=0.01)
 verbose = partial(getenv, "PSKV_VERBOSE", False)
-min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0)
+min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0, minimum=0)
 replicas = partial(getenv, "PSKV_REPLICAS", 0, minimum=0)  # backups of each part
 bigarray_bound = partial(getenv, "PSKV_BIGARRAY_BOUND", 65_536, minimum=1)
 nonfinite = partial(getenv, "PSKV_NONFINITE", "error", choices=("error", "skip", "allow"))
@@ -123,7 +123,7 @@ def lifeline() -> Optional[int]:
 
 
 def heartbeat_interval() -> float:
-    return min(getenv("PSKV_HEARTBEAT_INTERVAL", 1.0), heartbeat_timeout() / 3.0)
+    return min(getenv("PSKV_HEARTBEAT_INTERVAL", 1.0, minimum=0.01), heartbeat_timeout() / 3.0)
 
 
 def server_threads(processes_here: int) -> int:

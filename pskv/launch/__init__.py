@@ -109,6 +109,12 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError("--ssh-command is empty")
     env = parse_env_specs(args.env)
     servers = args.num_workers if args.num_servers is None else args.num_servers
+    for flag, var in (("min_workers", "PSKV_MIN_WORKERS"), ("max_restarts", "PSKV_MAX_RESTARTS"), ("replicas", "PSKV_REPLICAS")):
+        raw = {**os.environ, **env}.get(var, "").strip()  # set so instead of the flag: checked as the flag is
+        if getattr(args, flag) is None and raw not in ("", "0"):
+            if not raw.lstrip("-").isdigit():
+                raise LaunchError(f"{var}={raw!r} is not a whole number")
+            setattr(args, flag, int(raw))
     if args.min_workers is not None and not 1 <= args.min_workers < args.num_workers:
         raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
     if args.max_restarts is not None and (args.max_restarts < 0 or args.min_workers is None):

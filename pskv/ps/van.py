@@ -262,7 +262,7 @@ class Van:
 
     def wake(self) -> None:
         """Make a blocked :meth:`recv` return now; safe from any thread."""
-        with contextlib.suppress(OSError):  # the van is closed (fd -1)
+        with contextlib.suppress(OSError, ValueError):  # the van is closed (fd -1: a ValueError)
             os.eventfd_write(self._wake, 1)
 
     def close(self, linger: float = 1.0) -> None:

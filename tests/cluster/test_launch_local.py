@@ -200,6 +200,16 @@ def test_a_bad_setting_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None
     assert res.code == 2, res  # the launcher's "could not start" status
     assert "pskv serve: environment variable PSKV_TIMEOUT='abc' is not a valid float" in res.stdout + res.stderr, res
     assert "Traceback" not in res.stdout + res.stderr, res
+    for var, value, said in (("PSKV_HEARTBEAT_TIMEOUT", "0", "PSKV_HEARTBEAT_TIMEOUT='0' is not a valid float >= 0.01"),
+                             ("PSKV_TIMEOUT", "nan", "PSKV_TIMEOUT='nan' is not a valid float >= 0.01")):  # fmt: skip
+        res = launch(tmp_path, "import pskv\npskv.kv.create('dist_sync')", 1, 1, timeout=60, launch_args=["--env", f"{var}:{value}"])
+        assert res.code == 2 and said in res.stdout + res.stderr and "Traceback" not in res.stdout + res.stderr, res
+    # set in the environment instead of by their flags: checked before anything starts, as the flags are
+    for env, said in (({"PSKV_MIN_WORKERS": "1", "PSKV_MAX_RESTARTS": "abc"}, "PSKV_MAX_RESTARTS='abc' is not a whole number"),
+                      ({"PSKV_REPLICAS": "5"}, "--replicas 5: it must be at least 0 and less than the number of servers, 2"),
+                      ({"PSKV_MIN_WORKERS": "5"}, "--min-workers 5: it must be at least 1 and less than -n 2")):  # fmt: skip
+        res = run([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", "true"], timeout=60, env=env)
+        assert res.code == 2 and said in res.stderr and "Traceback" not in res.stderr, res
 
 
 def test_bad_arguments_are_clear(tmp_path: Path) -> None:

@@ -333,3 +333,4 @@ def test_a_strangers_closed_connection_does_not_hide_a_later_ones_end(monkeypatc
             assert [type(m).__name__ for _, m in gone] == ["PeerGone"], gone
     finally:
         van.close(0)
+    van.wake()  # closed: nothing to wake (a store closed after the scheduler was lost said "closing the store failed")
