@@ -31,6 +31,12 @@ KeyArg = Union[Key, Sequence[Key]]
 ValueArg = Union[Tensor, Sequence[Any]]
 
 
+def _priority(priority: object) -> int:
+    if not isinstance(priority, numbers.Integral):
+        raise errors.KVStoreError(f"priority must be a whole number (higher goes first), got {priority!r}")
+    return int(priority)
+
+
 @dataclass(frozen=True)
 class KeyMeta:
     """What a store knows about a key from its ``init``."""
@@ -189,7 +195,7 @@ class KVStore:
         """Push ``value`` (a tensor or a list of per-device tensors, summed) to ``key`` (docs/SPEC.md,
         section 2). ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
         the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
-        handle = self._push_impl(self._grouped(key, value, "pushed value"), int(priority), wait, _held)
+        handle = self._push_impl(self._grouped(key, value, "pushed value"), _priority(priority), wait, _held)
         return None if wait else handle or Handle()
 
     @_locked
@@ -213,7 +219,7 @@ class KVStore:
             # stacklevel: the caller of pull, past the lock's wrapper
             warnings.warn(f"pull skipped the row-sparse outputs of key(s) {skipped} (ignore_sparse=True); "
                           "use row_sparse_pull to fetch rows", UserWarning, stacklevel=3)
-        handle = self._pull_impl(kept, int(priority), wait, _rescale) if kept else None
+        handle = self._pull_impl(kept, _priority(priority), wait, _rescale) if kept else None
         return None if wait else handle or Handle()
 
     @_locked
@@ -225,9 +231,9 @@ class KVStore:
         groups = self._grouped(key, value, "pushed value")
         outs = self._grouped(key, target, "out")  # check outputs before pushing
         if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
-            handle = self._pushpull_impl(groups, outs, int(priority), wait)
+            handle = self._pushpull_impl(groups, outs, _priority(priority), wait)
             return None if wait else handle or Handle()
-        self._push_impl(groups, int(priority), wait, False)
+        self._push_impl(groups, _priority(priority), wait, False)
         return self.pull(key, target, priority, wait=wait)
 
     @_locked
@@ -251,7 +257,7 @@ class KVStore:
             if len(rids) != len(outs):
                 raise errors.ValueCountError(f"{meta}: {len(outs)} outputs but {len(rids)} row_ids")
             groups.append((meta, outs, [self._check_rows(meta, r) for r in rids]))
-        self._row_sparse_pull_impl(groups, int(priority))
+        self._row_sparse_pull_impl(groups, _priority(priority))
 
     @staticmethod
     def _check_rows(meta: KeyMeta, rows: Tensor) -> Tensor:
@@ -342,7 +348,7 @@ class KVStore:
         for meta, values in items:
             if self._optimizer is not None:  # (before the residual changes)
                 updatable(meta.dtype, meta)
-            comp = self._compressor
+            comp = self._compressor if meta.dtype.is_floating_point else None  # (integers travel as they are)
             if comp is not None:
                 values = [v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
                           for i, v in enumerate(values)]

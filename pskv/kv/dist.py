@@ -185,7 +185,7 @@ class DistStore(KVStore):
         if any(v.is_sparse for v in values) and not all(v.is_sparse for v in values):  # dense and row-sparse: their
             values = [reduce_values(values, values[0].device)]  # dense sum, as the local store pushes
         sparse = values[0].is_sparse
-        comp = None if sparse else self._compressor
+        comp = None if sparse or not meta.dtype.is_floating_point else self._compressor  # (integers travel as they are)
         gpu = not sparse and comp is None and values[0].is_cuda
         if sparse:
             merged = reduce_values(values, torch.device("cpu"))

@@ -174,6 +174,8 @@ def test_errors_name_the_key_and_leave_the_store_usable(kv: KVStore) -> None:
         kv.push("w", [[1.0, 2.0]])  # type: ignore[list-item]
     with pytest.raises(pskv.ValueCountError):
         kv.push(["w", "b"], [torch.ones(2, 3)])
+    with pytest.raises(pskv.KVStoreError, match="priority must be a whole number .* got 'high'"):
+        kv.push("w", torch.ones(2, 3), priority="high")  # type: ignore[arg-type]
     # a failing multi-key call changes nothing, not even its valid part
     with pytest.raises(pskv.ShapeMismatchError):
         kv.push(["b", "w"], [torch.full((3,), 9.0), torch.ones(1)])
@@ -341,6 +343,10 @@ def test_2bit_compression_per_device_residuals(kv: KVStore) -> None:
     kv.push(0, g)  # residuals: dev0 [.6, .7] -> [.5, .5]; dev1 [.6, -.7] -> [.5, -.5]
     assert torch.equal(pulled(kv, 0, torch.ones(2)), torch.tensor([1.0, 0.0]))
     assert torch.equal(g[0], torch.tensor([0.3, 0.6]))
+    kv.init(1, torch.zeros(3, dtype=torch.int64))  # integers travel as they are (2bit's levels of 0.5 made them 0)
+    kv.push(1, torch.tensor([3, -4, 7]))
+    kv.pull(1, out := torch.zeros(3, dtype=torch.int64))
+    assert out.tolist() == [3, -4, 7]
 
 
 # -- device -------------------------------------------------------------------------------------
