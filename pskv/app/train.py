@@ -60,8 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--threads", type=int, help="torch threads per worker (default: OMP_NUM_THREADS or all cores)")
     add("--checkpoint-dir", type=Path, help="after each epoch, save weights, optimizer states and progress here")
     add("--resume", action="store_true", help="go on from the last checkpoint in --checkpoint-dir, if any")
-    add("--report", type=Path, help="write a JSON report here (worker 0)")
-    add("--plot", type=Path, help="write a PNG of loss and accuracy per epoch here (worker 0)")
+    add("--report", type=Path, help="write a JSON report here (worker 0, or the next while it is lost)")
+    add("--plot", type=Path, help="write a PNG of loss and accuracy per epoch here (as --report)")
     add("--no-progress", action="store_true", help="no progress bar")
     return p
 
