@@ -174,7 +174,7 @@ def test_errors_name_the_key_and_leave_the_store_usable(kv: KVStore) -> None:
         kv.push("w", [[1.0, 2.0]])  # type: ignore[list-item]
     with pytest.raises(pskv.ValueCountError):
         kv.push(["w", "b"], [torch.ones(2, 3)])
-    with pytest.raises(pskv.KVStoreError, match="priority must be a whole number .* got 'high'"):
+    with pytest.raises(pskv.KVStoreError, match=r"priority must be a whole number .* got 'high'"):
         kv.push("w", torch.ones(2, 3), priority="high")  # type: ignore[arg-type]
     # a failing multi-key call changes nothing, not even its valid part
     with pytest.raises(pskv.ShapeMismatchError):
