@@ -292,7 +292,6 @@ class Optimizer:
 
     def _key_state(self, key: int, weight: Tensor) -> KeyState:
         """``key``'s state (a new one shaped like ``weight``), its update counted."""
-        updatable(weight.dtype, f"key {key}")
         st = self.states.get(key)
         if st is not None and any(t.numel() != weight.numel() for t in st.tensors.values()):  # (torch's fused kernels do not check)
             raise OptimizerError(f"key {key}: its optimizer state is not the size of its value {tuple(weight.shape)} (states loaded for another key?)")
