@@ -109,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
         raise LaunchError("--ssh-command is empty")
     env = parse_env_specs(args.env)
     servers = args.num_workers if args.num_servers is None else args.num_servers
+    given = {**os.environ, **env}
     for flag, var in (("min_workers", "PSKV_MIN_WORKERS"), ("max_restarts", "PSKV_MAX_RESTARTS"), ("replicas", "PSKV_REPLICAS")):
-        raw = {**os.environ, **env}.get(var, "").strip()  # set so instead of the flag: checked as the flag is
+        raw = given.get(var, "").strip()  # set so instead of the flag: checked as the flag is
         if getattr(args, flag) is None and raw not in ("", "0"):
             if not raw.lstrip("-").isdigit():
                 raise LaunchError(f"{var}={raw!r} is not a whole number")
