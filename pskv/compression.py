@@ -5,13 +5,14 @@ of docs/SPEC.md, section 5 (``2bit``, ``1bit``, ``fp16``, ``bf16``). Each keeps 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .errors import CompressionError
+from .errors import CompressionError, NonFiniteError
 
 TYPES = ("1bit", "2bit", "bf16", "fp16")
 _CASTS = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -25,8 +26,8 @@ class Codec:
         self.type = kind
         self.threshold = threshold
         self.wire_dtype = _CASTS.get(kind, torch.int32)  # the dtype of what encode() returns
-        # what each code of 2bit or 1bit stands for: 0 (and 3, never sent), +t, -t; or -1, +1
-        self._levels = [0.0, threshold, -threshold, 0.0] if kind == "2bit" else [-1.0, 1.0]
+        # what each code of 2bit or 1bit stands for: 0, +t, -t, NaN (or Inf); or -1, +1
+        self._levels = [0.0, threshold, -threshold, math.nan] if kind == "2bit" else [-1.0, 1.0]
 
     @staticmethod
     def create(params: Mapping[str, Any]) -> Codec:
@@ -51,17 +52,32 @@ class Codec:
         return {"type": self.type} if self.type in _CASTS else {"type": self.type, "threshold": self.threshold}
 
     def encode(self, grad: Tensor, residual: Tensor) -> Tensor:
-        """Fold ``grad`` into ``residual`` (in place), take out what is sent, return the wire tensor."""
+        """Fold ``grad`` into ``residual`` (in place), take out what is sent, return the wire tensor. fp16 saturates
+        (what is over its range waits in the residual); NaN and Inf are sent as such (2bit: as NaN, its code 3), so
+        the receiver's rules for them apply, and never stay in the residual (``check`` keeps them from 1bit)."""
         r = residual.view(-1)
         r.add_(grad.reshape(-1).to(r.dtype))
+        big = torch.finfo(self.wire_dtype).max if self.type in _CASTS else math.inf
+        lo, hi = (float(x) for x in torch.aminmax(r)) if r.numel() else (0.0, 0.0)  # (NaN if any is)
+        odd = not (-big <= lo and hi <= big and math.isfinite(lo - hi))  # then the slower, masked steps
         if self.type in _CASTS:
-            sent = r.to(self.wire_dtype)
+            sent = (r.clamp(-big, big).where(r.isfinite(), r) if odd else r).to(self.wire_dtype)
             r.sub_(sent.to(r.dtype))
-            return sent
-        t = self.threshold
-        codes = (r >= t).long() | ((r <= -t).long() << 1) if self.type == "2bit" else (r > t).long()
-        r.sub_(torch.tensor(self._levels, dtype=r.dtype, device=r.device)[codes])
-        return _pack(codes, _BITS[self.type])
+        else:
+            t = self.threshold
+            codes = (r >= t).long() | ((r <= -t).long() << 1) if self.type == "2bit" else (r > t).long()
+            codes = codes.where(r.isfinite(), 3) if odd and self.type == "2bit" else codes
+            r.sub_(torch.tensor(self._levels, dtype=r.dtype, device=r.device)[codes])
+            sent = _pack(codes, _BITS[self.type])
+        if odd:
+            r.nan_to_num_(0.0, 0.0, 0.0)
+        return sent
+
+    def check(self, values: list[Tensor], key: object) -> None:
+        """1bit has no code for NaN or Inf: a push of them is an error before any residual changes."""
+        if self.type == "1bit" and not all(bool(v.isfinite().all()) for v in values):
+            raise NonFiniteError(f"{key}: a gradient with NaN or Inf cannot be sent with 1bit compression "
+                                 "(2bit, fp16 and bf16 send them, and the servers' PSKV_NONFINITE decides)")
 
     def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""
@@ -105,5 +121,5 @@ class Compressor:
         """The residual of ``key``'s ``index``-th device value (zeros at first)."""
         r = self._residuals.get((key, index))
         if r is None:
-            r = self._residuals[(key, index)] = torch.zeros(like.shape, dtype=torch.float32, device=like.device)
+            r = self._residuals[(key, index)] = torch.zeros(like.shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
         return r

@@ -350,6 +350,7 @@ class KVStore:
                 updatable(meta.dtype, meta)
             comp = self._compressor if meta.dtype.is_floating_point else None  # (integers travel as they are)
             if comp is not None:
+                comp.codec.check(values, meta)
                 values = [v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
                           for i, v in enumerate(values)]
             stored = self._values[meta.id]

@@ -112,3 +112,51 @@ def test_residuals_are_per_key_and_device() -> None:
 def test_bad_parameters(params: object, match: str) -> None:
     with pytest.raises(pskv.CompressionError, match=match):
         Codec.create(params)  # type: ignore[arg-type]
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_2bit_sends_nan_and_inf_as_nan_and_keeps_neither() -> None:
+    """A NaN or Inf goes out as code 3 (NaN to the receiver, whose PSKV_NONFINITE rules apply); the
+    residual drops it, so the next push follows the formula again (it stayed NaN: zeros sent for good)."""
+    codec = Codec.create({"type": "2bit", "threshold": 0.5})
+    r = torch.tensor([0.25, 0.25, 0.25, 0.25])
+    sent = codec.decode(codec.encode(torch.tensor([NAN, INF, -INF, 0.5]), r), 4, torch.float32)
+    assert sent[:3].isnan().all() and sent[3].item() == 0.5
+    assert r.tolist() == [0.0, 0.0, 0.0, 0.25]
+    sent = codec.decode(codec.encode(torch.tensor([0.5, 0.5, -0.5, 0.0]), r), 4, torch.float32)
+    assert sent.tolist() == [0.5, 0.5, -0.5, 0.0] and r.tolist() == [0.0, 0.0, 0.0, 0.25]
+
+
+def test_fp16_saturates_and_keeps_what_is_over_its_range() -> None:
+    """1e6 is a finite fp32 gradient: fp16 sends its largest value, 65504, and the rest waits in the
+    residual (it was sent as Inf, and the residual became -Inf for good)."""
+    codec = Codec.create({"type": "fp16"})
+    r = torch.zeros(3)
+    wire = codec.encode(torch.tensor([1e6, -1e6, NAN]), r)
+    assert wire[:2].tolist() == [65504.0, -65504.0] and wire[2].isnan()
+    assert r.tolist() == [1e6 - 65504, -1e6 + 65504, 0.0]
+    total = wire.float()
+    for _ in range(20):
+        total += codec.encode(torch.zeros(3), r).float()
+    assert total[:2].tolist() == [1e6, -1e6] and r.tolist() == [0.0, 0.0, 0.0]  # all of it arrives, in time
+
+
+def test_1bit_refuses_nan_and_inf_before_the_residual_changes() -> None:
+    kv = pskv.kv.create("local")
+    kv.set_gradient_compression({"type": "1bit", "threshold": 0.0})
+    kv.init("w", torch.zeros(3))
+    with pytest.raises(pskv.NonFiniteError, match="key 'w': a gradient with NaN or Inf cannot be sent with 1bit"):
+        kv.push("w", torch.tensor([INF, 1.0, 1.0]))
+    out = torch.empty(3)
+    kv.pushpull("w", torch.tensor([0.5, -0.5, 0.5]), out)
+    assert out.tolist() == [1.0, -1.0, 1.0]  # the residual was zeros: the refused push left no trace
+
+
+def test_a_float64_key_keeps_a_float64_residual() -> None:
+    comp = Compressor({"type": "fp16"})
+    g = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
+    r = comp.residual(0, 0, g)
+    assert r.dtype == torch.float64
+    assert comp.codec.encode(g, r).double() + r == g  # float32 lost the 1e-12

@@ -538,3 +538,21 @@ def test_a_blocking_push_waits_for_every_batch_it_sent(inproc_job: Job, monkeypa
         out = torch.empty(1100, 1000)
         kv.pull("w", out)
         assert torch.equal(out, torch.full((1100, 1000), 2.0))
+
+
+def test_a_compressed_nan_reaches_the_servers_rules_and_leaves_the_residual(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2bit and fp16 send a NaN on as NaN (PSKV_NONFINITE=skip: that push counts as zeros); the worker's
+    residual does not keep it, so the next rounds follow the formula."""
+    monkeypatch.setenv("PSKV_NONFINITE", "skip")
+    for params in ({"type": "2bit", "threshold": 0.5}, {"type": "fp16"}):
+
+        def body(kv: KVStore, params: dict[str, Any] = params) -> list[list[float]]:
+            kv.set_gradient_compression(params)
+            kv.init("w", torch.zeros(2))
+            out, seen = torch.empty(2), []
+            for i in range(3):
+                kv.pushpull("w", torch.tensor([float("nan") if kv.rank == 1 and i == 0 else 0.5, 0.5]), out)
+                seen.append(out.tolist())
+            return seen
+
+        assert inproc_job(2, 1).run_workers(body) == [[[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]] * 2  # the NaN push: zeros
