@@ -394,7 +394,7 @@ class Rounds:
         return [(p, states[p.state_key]) for p in self.parts.values() if p.state_key in states]
 
     def load_states(self, desc: Any, num_update: int, entries: Iterable[tuple[Part, int, dict[str, Tensor]]]) -> None:
-        """Install saved states, all checked first (an optimizer is set from ``desc`` if there is none)."""
+        """Saved states replace this server's, all checked first (an optimizer is set from ``desc`` if there is none)."""
         opt = self.optimizer if self.optimizer is not None else Optimizer.from_description(desc)
         if opt.name != desc.get("name"):
             raise OptimizerError(f"the states are for {desc.get('name')!r} but the servers run {opt.name!r}")
@@ -403,8 +403,7 @@ class Rounds:
             opt.check_state(p.name, tensors, p.value if p.value is not None else torch.empty(0))
             new[p.state_key] = KeyState(step, {n: t.clone().view(p.rows, p.row_numel) for n, t in tensors.items()})
         self.optimizer = opt
-        opt.states.update(new)
-        opt.num_update = max(opt.num_update, num_update)
+        opt.states, opt.num_update = new, num_update  # they replace the ones before, as on local
 
 
 def _from_base(rank: int, entries: list[E]) -> list[E]:

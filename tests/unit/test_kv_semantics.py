@@ -291,6 +291,23 @@ def test_sparse_embedding_gradients_train_through_the_store(kv: KVStore) -> None
 # -- optimizer states ---------------------------------------------------------------------------
 
 
+def test_loaded_optimizer_states_replace_all_states(kv: KVStore, tmp_path: object) -> None:
+    """A key that had no state in the file starts afresh after the load, on every store type (dist
+    stores kept its later state: they merged the file into the servers' states)."""
+    import pathlib
+
+    path = pathlib.Path(str(tmp_path)) / "states.pskv"
+    kv.init([0, 1], [torch.zeros(3), torch.zeros(2)])
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5))
+    kv.push(0, torch.ones(3))  # key 0: buf 1, w -1; key 1: no state yet
+    kv.save_optimizer_states(path)
+    kv.push([0, 1], [torch.ones(3), torch.ones(2)])  # key 0: buf 1.5, w -2.5; key 1: buf 1, w -1
+    kv.load_optimizer_states(path)
+    kv.push([0, 1], [torch.ones(3), torch.ones(2)])  # key 0: buf 1.5 again, w -4; key 1: buf 1 (fresh), w -2
+    torch.testing.assert_close(pulled(kv, 0, torch.ones(3)), torch.full((3,), -4.0))
+    torch.testing.assert_close(pulled(kv, 1, torch.ones(2)), torch.full((2,), -2.0))
+
+
 def test_optimizer_states_save_and_load(kv: KVStore, make_store: Callable[[str], KVStore], tmp_path: object) -> None:
     import pathlib
 
