@@ -12,6 +12,7 @@ variable                   default  meaning
 ``PSKV_MAX_MESSAGE_BYTES`` 64 MB    a server disconnects a client that sends a bigger frame; at least 2 x ``PSKV_CHUNK_BYTES``
 ``PSKV_REPLICAS``          0        R: every part is also kept by the next R servers, and the job survives R lost servers (``pskv launch --replicas``)
 ``PSKV_MIN_WORKERS``       0        go on while this many workers live (``pskv launch --min-workers``); 0: a lost worker ends the job
+``PSKV_MAX_RESTARTS``      0        start a lost worker anew, this many times in all (``pskv launch --max-restarts``)
 ``PSKV_NONFINITE``         error    a pushed NaN/Inf: ``error`` (the push fails), ``skip`` (counted, pushed as 0) or ``allow``
 ``PSKV_SECRET``            (none)   the job's secret (``pskv launch`` makes one); or ``PSKV_SECRET_FILE``, a file only its owner reads
 ``PSKV_ENCRYPT``           0        1: encrypt every connection (CURVE, keys derived from the secret; slower, docs/DESIGN.md)
@@ -20,6 +21,7 @@ variable                   default  meaning
 ``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
 ``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
 ``PSKV_LIFELINE``          (set)    ``fd:inode`` of a pipe from ``pskv launch``: its end stops every process of the job
+``PSKV_SSH``               ssh      the command ``pskv launch --launcher ssh`` reaches hosts with
 
 The ``DMLC_*`` variables that say who a process is (role, scheduler address, counts) are read in
 :mod:`pskv.ps.node`; they keep the names that existing parameter-server tooling sets."""
@@ -27,6 +29,7 @@ The ``DMLC_*`` variables that say who a process is (role, scheduler address, cou
 from __future__ import annotations
 
 import os
+import re
 import stat
 from functools import partial
 from typing import Optional, TypeVar
@@ -34,6 +37,8 @@ from typing import Optional, TypeVar
 from .errors import ConfigError
 
 T = TypeVar("T", int, float, str, bool)
+# the settings above, and those that pskv launch sets for its processes
+NAMES = frozenset(re.findall(r"PSKV_[A-Z_]+", __doc__ or "")) | {"PSKV_PORT_FD", "PSKV_RESTARTS", "PSKV_RANK"}
 
 
 def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optional[T] = None, choices: tuple[str, ...] = ()) -> T:

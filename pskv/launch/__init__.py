@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
 import shlex
+import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .. import config
 from ..errors import LaunchError
 
 #: each launcher: its module, and what there makes its backend from a JobSpec (slurm: Srun or Sbatch)
@@ -116,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
             if not raw.lstrip("-").isdigit():
                 raise LaunchError(f"{var}={raw!r} is not a whole number")
             setattr(args, flag, int(raw))
+    for name in sorted(set(given) - config.NAMES):
+        if name.startswith("PSKV_"):  # a misspelled setting would be ignored where it is read
+            near = difflib.get_close_matches(name, config.NAMES, 1)
+            print(f"pskv launch: {name} is not a pskv setting{f' (did you mean {near[0]}?)' if near else ''}; it is ignored", file=sys.stderr)
+    if servers == 0 and (args.min_workers or args.max_restarts is not None):
+        raise LaunchError("--min-workers and --max-restarts need servers: with -s 0 no scheduler watches the workers")
     if args.min_workers is not None and not 1 <= args.min_workers < args.num_workers:
         raise LaunchError(f"--min-workers {args.min_workers}: it must be at least 1 and less than -n {args.num_workers}")
     if args.max_restarts is not None and (args.max_restarts < 0 or args.min_workers is None):

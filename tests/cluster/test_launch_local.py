@@ -210,6 +210,13 @@ def test_a_bad_setting_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None
                       ({"PSKV_MIN_WORKERS": "5"}, "--min-workers 5: it must be at least 1 and less than -n 2")):  # fmt: skip
         res = run([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", "true"], timeout=60, env=env)
         assert res.code == 2 and said in res.stderr and "Traceback" not in res.stderr, res
+    res = run([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "0", "--min-workers", "1", "--", "true"], timeout=60)
+    assert res.code == 2 and "--min-workers and --max-restarts need servers: with -s 0 no scheduler" in res.stderr, res
+    # a misspelled setting is said, and the job runs (it was ignored without a word)
+    res = run([sys.executable, "-m", "pskv", "launch", "-n", "1", "-s", "0", "--env", "PSKV_TIMEOUTS:5", "--", "true"], timeout=60, env={"PSKV_NONFINTE": "skip"})
+    assert res.code == 0, res
+    assert "PSKV_TIMEOUTS is not a pskv setting (did you mean PSKV_TIMEOUT?); it is ignored" in res.stderr, res
+    assert "PSKV_NONFINTE is not a pskv setting (did you mean PSKV_NONFINITE?)" in res.stderr, res
 
 
 def test_bad_arguments_are_clear(tmp_path: Path) -> None:
