@@ -110,7 +110,7 @@ def run_worker(args: argparse.Namespace) -> int:
     scale = LossScale() if args.amp == "fp16" else None
     trainer = Trainer([net.parameters() for net in nets], "sgd", hyper, kvstore=kv, update_on_kvstore=False if scale else None,
                       compression_params={"type": "bf16"} if args.amp == "bf16" and dist else None)  # fmt: skip
-    board: Any = tensorboard(args.tensorboard) if rank == 0 and args.tensorboard else None
+    board: Any = tensorboard(args.tensorboard) if rank == 0 and not kv.rejoined and args.tensorboard else None
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
     if resumed:
         checkpoint.load_states(resumed, trainer)
@@ -190,6 +190,7 @@ def run_worker(args: argparse.Namespace) -> int:
             **({"loss_scale": scale.value} if scale else {}),
         }
         history.append(row)
+        board = board or (tensorboard(args.tensorboard) if rank == leader and args.tensorboard else None)  # (worker 0 lost)
         for name, value in row.items() if board else ():
             board.add_scalar(f"epoch/{name}", value, epoch + 1)
         if rank == leader:
@@ -217,8 +218,7 @@ def run_worker(args: argparse.Namespace) -> int:
             args.report.write_text(json.dumps(report, indent=2) + "\n")
         if args.plot:
             plot(history, args.plot, f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})")
-    if board:
-        board.close()
+    board.close() if board else None
     kv.close()
     return 0
 

@@ -698,7 +698,7 @@ def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path, v
     """))
     argv = [sys.executable, "-m", "pskv", "launch", "-n", "3", "-s", "1", "--min-workers", "2", "--max-restarts", "1", "--",
             sys.executable, str(script), "--model", "small_cnn", "--epochs", "12", "--no-progress", "--report", str(report),
-            "--checkpoint-dir", str(tmp_path / "ck"), "--resume"]  # fmt: skip
+            "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--tensorboard", str(tmp_path / "tb")]  # fmt: skip
     res = run(argv, timeout=240, env={"PYTHONPATH": str(REPO), "VICTIM": victim}, cwd=tmp_path)
     assert res.code == 0, res
     assert f"restarted worker {victim} (restart 1 of 1)" in res.stderr, res
@@ -711,6 +711,13 @@ def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path, v
     assert res.stdout.count("pskv train: small_cnn") == 1, res
     saved = json.loads((tmp_path / "ck" / "epoch-12" / "progress.json").read_text())["history"]
     assert [e["epoch"] for e in saved] == list(range(1, 13)), saved
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    curves = []  # the epochs' rows on disk: the reporting worker's (a worker 0 back wrote its own too)
+    for path in (tmp_path / "tb").glob("events.out.tfevents.*"):
+        (events := EventAccumulator(str(path))).Reload()
+        curves.append([s.step for s in events.Scalars("epoch/loss")] if "epoch/loss" in events.Tags()["scalars"] else [])
+    assert sorted(step for c in curves for step in c) == [int(e) for e in printed], curves
 
 
 def test_max_restarts_with_replicas_after_a_lost_server(tmp_path: Path) -> None:
