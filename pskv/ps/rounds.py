@@ -143,10 +143,13 @@ class Rounds:
                 raise ProtocolError(f"bad INIT of key {e.name} part {e.part}: numel {e.numel}, row_numel {e.row_numel}")
             if (e.value is not None) != (rank == 0):
                 raise ProtocolError(f"key {e.name}: worker 0 sends the init value, and only worker 0")
-            if p is not None and (p.dtype, p.numel, p.row_numel, p.mode) != (e.dtype, e.numel, e.row_numel, mode):
-                raise ShapeMismatchError(f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} "
-                                         f"({mode}), another worker as {p.numel} x {p.dtype} ({p.mode}); every worker must "
+            if p is not None and (p.dtype, p.numel, p.row_numel, p.mode, p.name) != (e.dtype, e.numel, e.row_numel, mode, e.name):
+                err = ShapeMismatchError(f"key {e.name} part {e.part}: worker {rank} initialised it as {e.numel} x {e.dtype} "
+                                         f"({mode}), another worker as {p.numel} x {p.dtype} ({p.mode})"
+                                         f"{'' if p.name == e.name else f' named {p.name}'}; every worker must "
                                          "create the same store type and init the same keys in the same order")
+                waiting, p.inits = (p.inits, []) if p.value is None else ([], p.inits)  # (their value may never come)
+                return [Answer(req, 0, error=err), *(replace(w, error=err) for w in waiting)]
             if p is not None and rank in p.initialised_by and rank in self.workers:  # (a worker back in a lost one's place inits again)
                 raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []

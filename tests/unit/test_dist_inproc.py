@@ -556,3 +556,21 @@ def test_a_compressed_nan_reaches_the_servers_rules_and_leaves_the_residual(inpr
             return seen
 
         assert inproc_job(2, 1).run_workers(body) == [[[0.5, 0.5], [1.0, 1.0], [1.0, 1.0]]] * 2  # the NaN push: zeros
+
+
+def test_workers_that_init_names_in_different_orders_are_told(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Names take ids in init order: worker 1's 'b' had worker 0's 'a' id, and the two values mixed
+    without a word; now the server compares the names (whichever worker's init comes second fails)."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "20")
+
+    def body(kv: KVStore) -> str:
+        try:
+            for name in ("a", "b") if kv.rank == 0 else ("b", "a"):
+                kv.init(name, torch.full((3,), float(kv.rank)))
+        except pskv.KVStoreError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    said = [s for s in inproc_job(2, 1).run_workers(body) if s != "ok"]
+    assert said and all(s.startswith("ShapeMismatchError: ") and " named " in s for s in said), said
+    assert any(("key 'a' part 0:" in s and "named 'b'" in s) or ("key 'b' part 0:" in s and "named 'a'" in s) for s in said), said

@@ -7,6 +7,7 @@ after round i with ``sgd(learning_rate=lr, rescale_grad=r)``.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import pytest
@@ -52,10 +53,18 @@ def test_init_waits_for_worker_0s_value_and_checks_every_worker() -> None:
     assert r.init("w1", 1, "sync", [entry()]) == []  # no value yet: the INIT waits
     with pytest.raises(KeyNotInitializedError):
         r.part(0, 0)
-    with pytest.raises(ShapeMismatchError, match=r"initialised it as 5 x torch\.float32"):
-        r.init("w0", 0, "sync", [entry(numel=5, value=torch.ones(5))])
-    with pytest.raises(ShapeMismatchError, match=r"\(async\)"):
-        r.init("w0", 0, "async", [entry(value=torch.ones(4))])
+    for bad, said in ((entry(numel=5, value=torch.ones(5)), r"initialised it as 5 x torch\.float32"),
+                      (InitEntry(0, 0, "'b'", torch.float32, 4, 1, torch.ones(4)), r"another worker as 4 x torch\.float32 \(sync\) named 0")):
+        r = Rounds(2, timeout=10.0)  # worker 1's INIT waits for a value that will not come: it is told too
+        assert r.init("w1", 1, "sync", [entry()]) == []
+        answers = r.init("w0", 0, "sync", [bad])
+        assert [a.req for a in answers] == ["w0", "w1"] and all(isinstance(a.error, ShapeMismatchError) for a in answers), answers
+        assert re.search(said, str(answers[0].error)) and answers[1].error is answers[0].error
+    r = made(2)
+    answers = r.init("w0", 0, "async", [entry(value=torch.ones(4))])  # a part with its value: the latecomer alone
+    assert [a.req for a in answers] == ["w0"] and re.search(r"\(async\)", str(answers[0].error))
+    r = Rounds(2, timeout=10.0)
+    assert r.init("w1", 1, "sync", [entry()]) == []
     with pytest.raises(ProtocolError, match="worker 0 sends the init value, and only worker 0"):
         r.init("w0", 0, "sync", [entry()])
     with pytest.raises(ProtocolError, match="mode 'fast'"):
