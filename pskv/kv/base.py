@@ -230,11 +230,12 @@ class KVStore:
         target = value if out is None else out
         groups = self._grouped(key, value, "pushed value")
         outs = self._grouped(key, target, "out")  # check outputs before pushing
-        if all(not meta.row_sparse and not any(o.is_sparse for o in os) for meta, os in outs):
-            handle = self._pushpull_impl(groups, outs, _priority(priority), wait)
-            return None if wait else handle or Handle()
-        self._push_impl(groups, _priority(priority), wait, False)
-        return self.pull(key, target, priority, wait=wait)
+        for meta, os in outs:
+            if meta.row_sparse or any(o.is_sparse for o in os):  # (it pushed, then failed or skipped the pull)
+                raise errors.SparseError(f"{meta}: pushpull pulls whole dense values; for row-sparse keys or outputs, push, "
+                                         "then row_sparse_pull(key, out, row_ids)")
+        handle = self._pushpull_impl(groups, outs, _priority(priority), wait)
+        return None if wait else handle or Handle()
 
     @_locked
     def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:

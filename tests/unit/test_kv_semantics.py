@@ -248,6 +248,18 @@ def test_row_sparse_key_rules(kv: KVStore) -> None:
         kv.row_sparse_pull("emb", sparse_out, row_ids=torch.tensor([4]))
     with pytest.raises(pskv.SparseError, match="1-D integer"):
         kv.row_sparse_pull("emb", sparse_out, row_ids=torch.tensor([1.0]))
+    # pushpull pulls dense values: refused before it pushes (it pushed, then failed or skipped the pull)
+    for key, out in (("emb", torch.zeros(4, 2)), ("emb", sparse_out)):
+        with pytest.raises(pskv.SparseError, match="key 'emb': pushpull pulls whole dense values"):
+            kv.pushpull(key, rs([2], torch.ones(1, 2), (4, 2)), out)
+    kv.init("d", torch.zeros(3))
+    with pytest.raises(pskv.SparseError, match="key 'd': pushpull pulls whole dense values"):
+        kv.pushpull("d", torch.ones(3), torch.zeros(3).to_sparse())
+    dense = torch.zeros(4, 2)
+    kv.row_sparse_pull("emb", dense, row_ids=torch.arange(4))
+    assert torch.equal(dense, torch.tensor([[1.0, 1.0], [0, 0], [0, 0], [0, 0]]))  # no push went through
+    kv.pull("d", d := torch.empty(3))
+    assert torch.equal(d, torch.zeros(3))
 
 
 def test_row_sparse_push_replaces_or_updates_rows(kv: KVStore) -> None:
