@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -17,6 +18,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from . import optim
 from .errors import TrainerError
 from .trainer import Trainer
 
@@ -70,9 +72,19 @@ def load_weights(path: Path, models: Sequence[nn.Module]) -> dict[str, Any]:
     return progress
 
 
-def load_states(path: Path, trainer: Trainer) -> None:
+def load_states(path: Path, trainer: Trainer, updates: Optional[int] = None) -> None:
     """Every worker: the optimizer's states of checkpoint ``path`` (onto the servers when they run it;
-    the schedule goes on from the saved step), then a barrier, so no one pushes before they are in."""
-    trainer.load_states(path / "optimizer.pt")
+    the schedule goes on from the saved step), then a barrier, so no one pushes before they are in.
+    ``updates``: the step to go on from instead, where the epochs done take another number of steps now
+    (another number of workers): the saved counts are scaled to it, so the schedule is where it was."""
+    with tempfile.TemporaryDirectory() as temp:
+        file = path / "optimizer.pt"
+        state = optim.load_states(file)
+        if updates is not None and state["num_update"] not in (0, updates):
+            scale, state["num_update"] = updates / state["num_update"], updates
+            for key in state["keys"].values():
+                key["step"] = max(1, round(key["step"] * scale)) if key["step"] else 0
+            torch.save(state, file := Path(temp) / "optimizer.pt")
+        trainer.load_states(file)
     if trainer.kvstore is not None:
         trainer.kvstore.barrier()

@@ -113,7 +113,7 @@ def run_worker(args: argparse.Namespace) -> int:
     board: Any = tensorboard(args.tensorboard) if rank == 0 and not kv.rejoined and args.tensorboard else None
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
     if resumed:
-        checkpoint.load_states(resumed, trainer)
+        checkpoint.load_states(resumed, trainer, updates=progress["epoch"] * steps_per_epoch)  # (W may differ now)
 
     if rank == 0 and not kv.rejoined:
         store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type

@@ -313,6 +313,35 @@ def test_a_resumed_schedule_goes_on_from_the_saved_step(store: Any, inproc_job: 
             kv.close()
 
 
+@pytest.mark.parametrize("store", [None, "dist_sync"])
+def test_a_checkpoint_resumed_with_other_steps_per_epoch_keeps_the_schedules_place(store: Any, inproc_job: Job, tmp_path: Path) -> None:
+    """2 epochs of 4 steps saved; resumed where an epoch is 2 steps (twice the workers): the counts
+    are scaled to 2 x 2 updates, so the LR (x0.1 every 4 updates) is the one after 2 epochs of the
+    new run, 0.1 (without: the 9th update's, 0.01); keys' steps scale too (the next update's count is 5)."""
+    from pskv import checkpoint
+
+    kvs = [inproc_job(1, 1).worker() if store else None for _ in range(2)]
+    hyper = {"learning_rate": 1.0, "momentum": 0.5, "lr_scheduler": {"name": "step", "step": 4, "factor": 0.1}}
+    net = nn.Linear(2, 1)
+    first = pskv.Trainer(net.parameters(), "sgd", hyper, kvstore=kvs[0])
+    for _ in range(8):
+        net(torch.ones(1, 2)).sum().backward()
+        first.step(1)
+    checkpoint.save(tmp_path, 2, net, first, {})
+    again = pskv.Trainer(nn.Linear(2, 1).parameters(), "sgd", hyper, kvstore=kvs[1])
+    checkpoint.load_states(tmp_path / "epoch-2", again, updates=2 * 2)
+    assert again.learning_rate == pytest.approx(0.1) and first.learning_rate == pytest.approx(0.01)
+    saved = torch.load(tmp_path / "epoch-2" / "optimizer.pt", weights_only=True)
+    assert saved["num_update"] == 8 and {k["step"] for k in saved["keys"].values()} == {8}  # the checkpoint is as it was
+    if store:
+        kvs[1].save_optimizer_states(tmp_path / "now")
+        now = torch.load(tmp_path / "now", weights_only=True)
+        assert now["num_update"] == 4 and {k["step"] for k in now["keys"].values()} == {4}, now
+    for kv in kvs:
+        if kv is not None:
+            kv.close()
+
+
 @pytest.mark.parametrize("store", [None, "device", "dist_sync"])
 def test_save_and_load_states_resume_exactly(store: Any, inproc_job: Job, tmp_path: Path) -> None:
     def store_for() -> Any:
