@@ -128,6 +128,10 @@ class Trainer:
             remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
             overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
         self._overlap = bool(overlap)
+        # the first steps' forwards (no pull in flight yet) show which modules read the parameters of a
+        # child they do not call (MultiheadAttention its out_proj's): later forwards wait for those too
+        self._called: Optional[dict[int, torch.nn.Module]] = {} if self._overlap else None
+        self._reads: dict[int, list[int]] = {}
         if self._overlap:
             self._arm()
 
@@ -151,9 +155,10 @@ class Trainer:
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
             trainer = me()
+            if trainer is not None and trainer._called is not None:
+                trainer._called[id(module)] = module
             if trainer is not None and trainer._inflight:
-                for t in module._parameters.values():
-                    i = where.get(id(t))
+                for i in [where.get(id(t)) for t in module._parameters.values()] + trainer._reads.get(id(module), []):
                     if i is not None and i in trainer._inflight:
                         t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
@@ -276,6 +281,11 @@ class Trainer:
     def _next_step(self) -> None:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
+        called, self._called = self._called, None
+        for m in (called or {}).values():
+            for child in m.children():
+                if id(child) not in called:  # type: ignore[operator]
+                    self._reads.setdefault(id(m), []).extend(self._where.get(id(t)) for t in child.parameters())  # type: ignore[misc]
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's

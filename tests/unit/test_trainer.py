@@ -519,3 +519,44 @@ def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> N
         return "ok"
 
     assert job.run_workers(body) == ["ok"]
+
+
+class _Attention(nn.Module):
+    """MultiheadAttention reads its out_proj's weights without calling out_proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.att(x, x, x, need_weights=False)[0])
+
+
+def test_overlap_waits_for_parameters_a_module_reads_without_calling_their_module(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention's forward waited only for its own parameters: out_proj's pull was still in flight
+    when it read them (stale weights from the second step on). The first step's forward shows which
+    modules do that; their forwards then wait for those parameters too."""
+    monkeypatch.setattr("pskv.trainer.RUN_BYTES", 64)  # a run per parameter: out_proj's is its own
+
+    def body(kv: KVStore, overlap: bool) -> tuple[list[float], list[list[str]]]:
+        torch.manual_seed(0)
+        net, xs = _Attention(), torch.randn(4, 2, 3, 16, generator=torch.Generator().manual_seed(1))
+        tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv, overlap=overlap)
+        index = {id(p): i for i, p in enumerate(net.parameters())}
+        stale: list[list[str]] = []  # out_proj's parameters in flight when the attention's forward starts
+        net.att.register_forward_pre_hook(lambda m, a: stale.append([n for n, p in m.out_proj.named_parameters() if index[id(p)] in tr._inflight]))
+        losses = []
+        for x in xs:
+            net.zero_grad()
+            loss = net(x).square().sum()
+            losses.append(loss.item())
+            loss.backward()
+            tr.step(1)
+        tr.synchronize()
+        return losses, stale
+
+    plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
+    overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
+    assert overlapped[1] == [[]] * 4, overlapped[1]
+    assert overlapped[0] == plain[0]
