@@ -25,7 +25,7 @@ class _Distributed:
     _pskv_op: str
     _pskv_params: list[Tensor]
     _pskv_used: Any  # the store's key for how many workers had each parameter's gradient
-    _pskv_skip = False
+    _pskv_skip = _pskv_synced = False
     _pskv_inner: Optional[Callable[[], Any]] = None  # the step an LR scheduler made before wrapping put on the optimizer
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -40,12 +40,16 @@ class _Distributed:
             self._pskv_inner()  # (it runs the wrapped optimizer's step, and counts it for its scheduler)
         else:
             super().step()  # type: ignore[misc]
+        self._pskv_synced = False
         return loss
 
     def synchronize(self) -> None:
         """Sum this step's gradients over the workers now (those sent during backward are waited for),
         and average them unless ``op="sum"``: every worker's ``.grad`` holds the same values. A parameter
-        no worker has a gradient for keeps none (the optimizer leaves it, as with DDP)."""
+        no worker has a gradient for keeps none (the optimizer leaves it, as with DDP). With overlap it
+        runs when backward ends, so the gradients are the sums there, as with DDP; once per step."""
+        if self._pskv_synced:
+            return
         used = torch.tensor([p.grad is not None for p in self._pskv_params], dtype=torch.float32)
         kv = self._pskv.kvstore
         counted = kv.pushpull(self._pskv_used, used, wait=False) if kv is not None else None  # beside the gradients
@@ -58,6 +62,11 @@ class _Distributed:
                     p.grad = None
                 elif self._pskv_op == "average" and kv is not None:
                     p.grad.div_(kv.num_workers)  # type: ignore[union-attr]
+        self._pskv_synced = True
+
+    def _pskv_backward_end(self) -> None:
+        self._pskv_synced = False  # (a backward without a step since: its gradients are new)
+        self.synchronize()
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -94,6 +103,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     wrapped._pskv_inner = wrapped.__dict__.pop("step", None)  # copied, it would step without summing
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
+    wrapped._pskv._after_backward = wrapped._pskv_backward_end  # the sums when backward ends, as DDP
+    if store is not None and not wrapped._pskv.overlap:
+        wrapped._pskv._arm()  # (hooks to hear when backward ends)
     if store is not None:
         wrapped._pskv_used = _fresh_keys(store, 1)[0]
         store.init(wrapped._pskv_used, torch.zeros(len(params)))

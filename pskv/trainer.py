@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional, Union, cast
 
@@ -132,6 +132,7 @@ class Trainer:
         # child they do not call (MultiheadAttention its out_proj's): later forwards wait for those too
         self._called: Optional[dict[int, torch.nn.Module]] = {} if self._overlap else None
         self._reads: dict[int, list[int]] = {}
+        self._queued, self._after_backward = False, cast(Optional[Callable[[], None]], None)
         if self._overlap:
             self._arm()
 
@@ -170,21 +171,31 @@ class Trainer:
     def _grad_ready(self, param: Tensor) -> None:
         if not self._syncing:
             return
+        if not self._queued:  # when this backward ends: what is left of the bucket goes, then _after_backward
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
+        if not self._overlap:  # (armed only to hear when backward ends: a DistributedOptimizer's)
+            return
         i = self._where[id(param)]
         if self._pushed[i]:
-            raise TrainerError(f"parameter {self._keys[i]!r} got a second gradient before step(): accumulate "
-                               "gradients over several backward passes inside `with trainer.no_sync():` "
-                               "(all but the last)")
+            raise TrainerError(f"parameter {self._keys[i]!r} got a second gradient before step(): with overlap it left "
+                               "in the first backward; accumulate inside `with trainer.no_sync():` (all but the last "
+                               "backward), and keep a backward from filling gradients not stepped (a GAN's D in G's "
+                               "backward: `with trainer_d.no_sync():` around it, or D.requires_grad_(False))")
         self._ready[i] += 1
         grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
         if self._ready[i] < len(self._reps) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
             return  # a sparse sum comes back by pull in step (pushpull would not fill a sparse grad)
         self._pushed[i] = True  # till the end of step: a second gradient before then is refused
         self._bucket.append(i)
-        if len(self._bucket) == 1:  # what is left goes when this backward ends
-            torch.autograd.Variable._execution_engine.queue_callback(self._send_bucket)
         if sum(self._sizes[j] for j in self._bucket) >= RUN_BYTES:
             self._send_bucket()
+
+    def _backward_end(self) -> None:
+        self._queued = False
+        self._send_bucket()
+        if self._after_backward is not None:  # (a DistributedOptimizer: the sums, as DDP has them then)
+            self._after_backward()
 
     def _send_bucket(self) -> None:
         """Push the gradients of the bucket in one call, without waiting; with pushpull the sums

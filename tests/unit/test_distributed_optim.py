@@ -229,3 +229,34 @@ def test_the_ddp_hook_refuses_a_store_that_got_an_optimizer_and_its_thread_ends_
             break
         threading.Event().wait(0.05)
     assert not [t for t in threading.enumerate() if t.name == "pskv-ddp-hook"]  # it stayed, one per hook made
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gradients_are_the_averages_when_backward_returns(inproc_job: Job, overlap: bool) -> None:
+    """As with DDP: clip_grad_norm_ between backward and step clips the average (overlap on, the edit
+    was lost: the sums came over it; off, it clipped each worker's own gradient); a synchronize()
+    before step is not a second sum. Checked against one process on both workers' batches."""
+
+    def worker(kv: KVStore) -> list[torch.Tensor]:
+        net = _net()
+        opt = pskv.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), kv, overlap=overlap)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = _batch(step, kv.rank)
+            nn.functional.cross_entropy(net(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            opt.synchronize()
+            opt.step()
+        opt._pskv.synchronize()  # type: ignore[attr-defined]
+        return [p.detach().clone() for p in net.parameters()]
+
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    for step in range(3):
+        opt.zero_grad()
+        (sum(nn.functional.cross_entropy(net(x), y) for x, y in (_batch(step, r) for r in range(2))) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+        opt.step()
+    for got in inproc_job(2, 1).run_workers(worker):
+        for a, w in zip(got, net.parameters()):
+            assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
