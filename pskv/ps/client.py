@@ -214,7 +214,18 @@ class WorkerClient(Node):
                 batches = [(k, self._pending.pop(k), room) for k, room in sorted(rooms.items()) if room > 0]
                 for (server, _), batch, _ in batches:
                     self._pending_bytes[server] -= sum(q.nbytes for q in batch)
-            held = [(k, rest) for k, batch, room in batches if (rest := self._send(*k, _by_priority(batch), room))]
+                # the parts of pushes that wait: their pulls wait behind them (a pull sees the earlier pushes)
+                waiting = {s: {(q.row[0], q.row[1]) for q in rows} for (s, kind), rows in self._pending.items() if kind == Type.PUSH}
+            held = []
+            for (server, kind), batch, room in batches:  # (a server's PUSH comes before its PULL)
+                now: list[Queued] = []
+                later: list[Queued] = []
+                for q in batch:
+                    (later if kind == Type.PULL and (q.row[0], q.row[1]) in waiting.get(server, ()) else now).append(q)
+                rest = self._send(server, kind, _by_priority(now), room) + later
+                if kind == Type.PUSH:
+                    waiting.setdefault(server, set()).update((q.row[0], q.row[1]) for q in rest)
+                held += [((server, kind), rest)] if rest else []
             with self._lock:
                 for k, rest in held:  # back in the queue, before the rows queued meanwhile
                     self._pending[k] = rest + self._pending.get(k, [])

@@ -574,3 +574,22 @@ def test_workers_that_init_names_in_different_orders_are_told(inproc_job: Job, m
     said = [s for s in inproc_job(2, 1).run_workers(body) if s != "ok"]
     assert said and all(s.startswith("ShapeMismatchError: ") and " named " in s for s in said), said
     assert any(("key 'a' part 0:" in s and "named 'b'" in s) or ("key 'b' part 0:" in s and "named 'a'" in s) for s in said), said
+
+
+@pytest.mark.parametrize("window", ["1", "262144"])
+def test_a_pull_waits_behind_its_parts_push_that_the_window_holds(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, window: str) -> None:
+    """Across hosts at most PSKV_WINDOW_BYTES of pushes wait in a connection: a big push fills it, the
+    small key's push waits behind it, and its pull must too (it left first: "pulls round 2 but pushed
+    only 1", or an old value)."""
+    monkeypatch.setenv("PSKV_SHM", "0")
+    monkeypatch.setenv("PSKV_WINDOW_BYTES", window)
+    with inproc_job(1, 1, tcp=True).worker() as kv:
+        kv.init(["big", "b"], [torch.zeros(1_000_000), torch.zeros(4)])
+        out, seen = torch.empty(4), []
+        for i in range(30):
+            handles = [kv.push("big", torch.ones(1_000_000), wait=False), kv.push("b", torch.full((4,), float(i)), wait=False)]
+            kv.pull("b", out)
+            seen.append(out[0].item())
+            for h in handles:
+                h.wait()
+        assert seen == [float(i) for i in range(30)]
