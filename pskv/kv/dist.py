@@ -238,9 +238,9 @@ class DistStore(KVStore):
             if earlier is not None and not earlier.finished:
                 try:
                     earlier.wait()  # sends what is queued first; copies its answers
-                except errors.PSKVError as exc:  # its own failure is its caller's; the job's or a refused push's is this call's too
-                    if earlier.error is None or str(exc) != str(earlier.error):
-                        raise
+                except errors.PSKVError as exc:  # its own failure, said before, is its caller's (wait() raises a
+                    if earlier.error is None or exc is earlier.error or str(exc) != str(earlier.error):  # copy); the job's,
+                        raise  # or a refused push's not said yet (the object itself), is this call's too
             if earlier is not None:  # its answers are read from the server's memory, which our push lets it change
                 for copied in earlier.copies:
                     copied.synchronize()

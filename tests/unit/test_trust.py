@@ -334,3 +334,21 @@ def test_a_strangers_closed_connection_does_not_hide_a_later_ones_end(monkeypatc
     finally:
         van.close(0)
     van.wake()  # closed: nothing to wake (a store closed after the scheduler was lost said "closing the store failed")
+
+
+def test_a_refused_blocking_push_is_said_by_the_next_call_through_shared_memory(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through shared memory the next push waits for the refused one's answer: it took the error as the
+    refused push's own (said to nobody: a blocking push returned before it) and went on in silence."""
+    monkeypatch.setenv("PSKV_NONFINITE", "error")
+    monkeypatch.setenv("PSKV_SHM", "1")
+    with inproc_job(1, 1, tcp=True).worker() as kv:
+        kv.init("w", torch.zeros(4))
+        kv.push("w", torch.full((4,), float("nan")))
+        with pytest.raises(pskv.NonFiniteError, match="worker 0 pushed NaN or Inf to key 'w'"):
+            kv.push("w", torch.full((4,), 0.5))
+        out = torch.empty(4)  # that push was not made; the key goes on
+        kv.pull("w", out)
+        assert out.tolist() == [0.0] * 4
+        kv.push("w", torch.full((4,), 0.25))
+        kv.pull("w", out)
+        assert out.tolist() == [0.25] * 4
