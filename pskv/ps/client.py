@@ -67,7 +67,7 @@ class WorkerClient(Node):
         super().__init__(env)
         self.data = Van("worker")  # the connections to the servers (``self.van`` has the scheduler's)
         self._receiving = threading.Lock()  # held by the thread that receives the servers' answers
-        self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), self._pump, self._refused)
+        self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), self._pump)
         self.rounds_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it (the store counts)
         self.shared = shm.Shared()
         self.shm_servers: set[int] = set()
@@ -266,7 +266,7 @@ class WorkerClient(Node):
         table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
         msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
         req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
-        if self.replicas or kind == Type.PUSH:  # sent again on a failover; a refused push's rounds are taken back
+        if self.replicas:  # sent again on a failover
             req.rows = [(q.row, q.frames if self.replicas else ()) for q in batch]
         if server in self.shm_servers:  # answers may be slots of its shared memory
             pid = int(self.servers[server]["pid"])
@@ -279,12 +279,6 @@ class WorkerClient(Node):
             for handle in {id(q.entry[0]): q.entry[0] for q in batch}.values():
                 handle.sent.append(sent)
         return waiter
-
-    def _refused(self, req: Request) -> None:
-        """A server refused push ``req`` (a NaN, a bad row...): it counted none of its rounds, so neither do we."""
-        for row, _ in req.rows or ():
-            where = (row[0], row[1])
-            self.rounds_sent[where] = min(self.rounds_sent.get(where, 0), row[2] - 1)
 
     def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:
         """Send ``msg`` to ``peer`` (the scheduler, or a server's connection); ``req`` fails if it cannot go."""

@@ -212,6 +212,14 @@ class Rounds:
             out += self._fail_blocked(p)
         return out
 
+    def refused(self, rank: int, rows: Iterable[Any]) -> None:
+        """Worker ``rank``'s push of ``rows`` was refused: the rounds it numbered are skipped (it numbers its
+        later pushes on from them, and may have sent some before it heard): those count one lower."""
+        for row in rows:
+            p = self.parts.get((row.key, row.part))
+            if p is not None and p.mode == "sync" and row.round + p.base.get(rank, 0) == p.pushed.get(rank, 0) + 1:
+                p.base[rank] = p.base.get(rank, 0) - 1
+
     def _complete(self, p: Part) -> list[Answer]:
         """Merge every round of ``p`` that has one push from each worker; answer who waited for them.
         A held round stops here: its update waits for the rescale a pull brings."""

@@ -4,6 +4,7 @@ request gets an ERROR naming what was wrong and changes nothing; a bug never tak
 from __future__ import annotations
 
 import cmath
+import contextlib
 import math
 import sys
 import time
@@ -17,7 +18,7 @@ from torch import Tensor
 
 from .. import config
 from ..compression import Codec
-from ..errors import ClusterError, NodeFailedError, NonFiniteError, ProtocolError, PSKVError
+from ..errors import ClusterError, NodeFailedError, NonFiniteError, OptimizerError, ProtocolError, PSKVError
 from ..ops import outside
 from . import shm, timeline
 from .message import (
@@ -199,8 +200,13 @@ class Server(Node):
         if msg.type == Type.INIT:
             self._deliver(self.rounds.init(req, rank, str(meta.get("mode")), self._init_entries(msg)))
         elif msg.type == Type.PUSH:
-            pushes = self._push_entries(msg, rank, req)
-            self._deliver(self.rounds.push(req, rank, pushes))  # merges and updates the rounds it completes
+            try:
+                pushes = self._push_entries(msg, rank, req)
+                self._deliver(self.rounds.push(req, rank, pushes))  # merges and updates the rounds it completes
+            except (NonFiniteError, OptimizerError):  # a well-formed push refused for its values
+                with contextlib.suppress(PSKVError, IndexError):
+                    self.rounds.refused(rank, PUSH.unpack(msg.frames[0]))
+                raise
             timeline.span(f"PUSH from worker {rank}", t0, parts=len(pushes))
         elif msg.type == Type.PULL:
             pulls = self._pull_entries(msg, req)

@@ -103,8 +103,8 @@ class Tracker:
     """Thread-safe table of open requests. ``pump(timeout)`` receives and handles answers for up
     to ``timeout`` s (a waiting thread does it); ``fatal`` is the job's fatal error, if any."""
 
-    def __init__(self, timeout: float, pump: Callable[[float], None], refused: Callable[[Request], None]):
-        self.timeout, self.pump, self.refused = timeout, pump, refused  # refused: a push its server answered with an error
+    def __init__(self, timeout: float, pump: Callable[[float], None]):
+        self.timeout, self.pump = timeout, pump
         self.fatal: Optional[BaseException] = None
         self._lock = threading.Lock()
         self._open: dict[int, Request] = {}
@@ -134,8 +134,6 @@ class Tracker:
             return
         try:
             if msg.type == Type.ERROR:
-                if req.kind == Type.PUSH:
-                    self.refused(req)
                 raise from_reply(msg.meta, f"{req.what}: ")
             if req.kind not in BATCHED:
                 if req.on_reply is not None:

@@ -352,3 +352,22 @@ def test_a_refused_blocking_push_is_said_by_the_next_call_through_shared_memory(
         kv.push("w", torch.full((4,), 0.25))
         kv.pull("w", out)
         assert out.tolist() == [0.25] * 4
+
+
+def test_pushes_sent_before_a_refusal_came_back_are_rounds_after_it(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP a blocking push returns once sent: the next one leaves numbered after the NaN push. The
+    server refused it as a skipped round (and so the one after: two good pushes lost); now it counts
+    it in the refused one's place. SGD lr 1: w = -(0.5 + 0.25)."""
+    monkeypatch.setenv("PSKV_NONFINITE", "error")
+    monkeypatch.setenv("PSKV_SHM", "0")
+    with inproc_job(1, 1, tcp=True).worker() as kv:
+        kv.init("w", torch.zeros(4))
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+        kv.push("w", torch.full((4,), float("nan")))
+        kv.push("w", torch.full((4,), 0.5))
+        out = torch.empty(4)
+        with pytest.raises(pskv.NonFiniteError, match="worker 0 pushed NaN or Inf to key 'w'"):
+            kv.pull("w", out)
+        kv.push("w", torch.full((4,), 0.25))
+        kv.pull("w", out)
+        assert out.tolist() == [-0.75] * 4
