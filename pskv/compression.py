@@ -74,8 +74,9 @@ class Codec:
         return sent
 
     def check(self, values: list[Tensor], key: object) -> None:
-        """1bit has no code for NaN or Inf: a push of them is an error before any residual changes."""
-        if self.type == "1bit" and not all(bool(v.isfinite().all()) for v in values):
+        """1bit has no code for NaN or Inf: a push of them is an error before any residual changes (the
+        stores call it for 1bit)."""
+        if not all(bool(v.isfinite().all()) for v in values):
             raise NonFiniteError(f"{key}: a gradient with NaN or Inf cannot be sent with 1bit compression "
                                  "(2bit, fp16 and bf16 send them, and the servers' PSKV_NONFINITE decides)")
 

@@ -160,6 +160,14 @@ class KVStore:
         if t.dtype != meta.dtype:
             raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
+    def _pushed(self, key: KeyArg, value: Any) -> list[Group]:
+        """A push's validated groups; with 1bit compression, NaN or Inf in any key is an error before any goes."""
+        groups, comp = self._grouped(key, value, "pushed value"), self._compressor
+        if comp is not None and comp.codec.type == "1bit":
+            for meta, values in groups:
+                comp.codec.check([v for v in values if not v.is_sparse and v.is_floating_point()], meta)
+        return groups
+
     def _grouped(self, key: KeyArg, value: Any, what: str, join: bool = True) -> list[Group]:
         """Validated ``(meta, tensors)`` per distinct key in first-seen order; ``join=False``: per key."""
         groups: dict[int, Group] = {}
@@ -195,7 +203,7 @@ class KVStore:
         """Push ``value`` (a tensor or a list of per-device tensors, summed) to ``key`` (docs/SPEC.md,
         section 2). ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
         the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
-        handle = self._push_impl(self._grouped(key, value, "pushed value"), _priority(priority), wait, _held)
+        handle = self._push_impl(self._pushed(key, value), _priority(priority), wait, _held)
         return None if wait else handle or Handle()
 
     @_locked
@@ -228,7 +236,7 @@ class KVStore:
         """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into
         ``value``. ``wait=False``: both are sent without waiting; the handle is the pull's."""
         target = value if out is None else out
-        groups = self._grouped(key, value, "pushed value")
+        groups = self._pushed(key, value)
         outs = self._grouped(key, target, "out")  # check outputs before pushing
         for meta, os in outs:
             if meta.row_sparse or any(o.is_sparse for o in os):  # (it pushed, then failed or skipped the pull)
@@ -351,7 +359,6 @@ class KVStore:
                 updatable(meta.dtype, meta)
             comp = self._compressor if meta.dtype.is_floating_point else None  # (integers travel as they are)
             if comp is not None:
-                comp.codec.check(values, meta)
                 values = [v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
                           for i, v in enumerate(values)]
             stored = self._values[meta.id]

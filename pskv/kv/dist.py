@@ -192,7 +192,6 @@ class DistStore(KVStore):
             ids, vals = merged.indices()[0], merged.values().reshape(len(merged.indices()[0]), -1)
         elif comp is not None:
             flats = [v.reshape(-1) for v in values]
-            comp.codec.check(flats, meta)
             residuals = [comp.residual(meta.id, i, f) for i, f in enumerate(flats)]
         else:
             if len(values) > 1 and (gpu or (self._on_device and values[0].device.type != "cpu")):

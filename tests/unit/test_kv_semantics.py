@@ -300,6 +300,15 @@ def test_sparse_embedding_gradients_train_through_the_store(kv: KVStore) -> None
     torch.testing.assert_close(emb.weight.detach(), want)
 
 
+def test_a_1bit_push_with_nan_in_one_key_pushes_none(kv: KVStore) -> None:
+    """1bit cannot send NaN: the call is refused before any key goes (the keys before it went)."""
+    kv.init(["a", "b"], [torch.zeros(3), torch.zeros(3)])
+    kv.set_gradient_compression({"type": "1bit", "threshold": 0.0})
+    with pytest.raises(pskv.NonFiniteError, match="key 'b': a gradient with NaN or Inf cannot be sent with 1bit"):
+        kv.push(["a", "b"], [torch.ones(3), torch.tensor([1.0, float("nan"), 1.0])])
+    torch.testing.assert_close(pulled(kv, "a", torch.zeros(3)), torch.zeros(3))
+
+
 # -- optimizer states ---------------------------------------------------------------------------
 
 
