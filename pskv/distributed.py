@@ -99,8 +99,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     params = [p for group in optimizer.param_groups for p in group["params"]]
     cls: Any = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
     wrapped = cls.__new__(cls)
-    wrapped.__dict__.update(optimizer.__dict__)  # the same param_groups, state and defaults
-    wrapped._pskv_inner = wrapped.__dict__.pop("step", None)  # copied, it would step without summing
+    wrapped.__dict__ = optimizer.__dict__  # one dict: param_groups, state, defaults, and what load_state_dict sets
+    wrapped._pskv_inner = optimizer.__dict__.get("step")  # the step an LR scheduler put on it: it does not sum,
+    if wrapped._pskv_inner is not None:  # so ours goes in its place, marked as the scheduler marks its own
+        wrapped.step = lambda closure=None: _Distributed.step(wrapped, closure)
+        wrapped.step._wrapped_by_lr_sched = True
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
     wrapped._pskv._after_backward = wrapped._pskv_backward_end  # the sums when backward ends, as DDP

@@ -260,3 +260,26 @@ def test_gradients_are_the_averages_when_backward_returns(inproc_job: Job, overl
     for got in inproc_job(2, 1).run_workers(worker):
         for a, w in zip(got, net.parameters()):
             assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_load_state_dict_reaches_the_optimizer_a_scheduler_made_before_wrapping_steps(scheduler_first: bool) -> None:
+    """The wrapper and the optimizer share one __dict__: states and param_groups that load_state_dict
+    sets are the ones the step uses (with a scheduler made before wrapping, the old ones were), and
+    the scheduler sees its own step (no "optimizer.step() has been overridden" warning)."""
+    import warnings
+
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0, momentum=0.9)
+    saved = {"state": {0: {"momentum_buffer": torch.full((2,), 10.0)}}, "param_groups": [{**opt.state_dict()["param_groups"][0], "lr": 0.5}]}
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1) if scheduler_first else None
+    dopt = pskv.DistributedOptimizer(opt, "local")
+    sched = sched or torch.optim.lr_scheduler.StepLR(dopt, step_size=1, gamma=0.1)
+    dopt.load_state_dict(saved)
+    p.grad = torch.ones(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dopt.step()
+        sched.step()
+    assert p.tolist() == [1 - 0.5 * (0.9 * 10 + 1)] * 2  # lr 0.5, buffer 10 -> 10
+    assert dopt.param_groups[0]["lr"] == pytest.approx(0.05) and opt.param_groups is dopt.param_groups
