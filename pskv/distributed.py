@@ -24,6 +24,7 @@ class _Distributed:
     _pskv: Trainer
     _pskv_op: str
     _pskv_params: list[Tensor]
+    _pskv_frozen: set[int]  # ids of the parameters frozen when wrapped (the Trainer leaves them out)
     _pskv_used: Any  # the store's key for how many workers had each parameter's gradient
     _pskv_skip = _pskv_synced = False
     _pskv_inner: Optional[Callable[[], Any]] = None  # the step an LR scheduler made before wrapping put on the optimizer
@@ -50,6 +51,9 @@ class _Distributed:
         runs when backward ends, so the gradients are the sums there, as with DDP; once per step."""
         if self._pskv_synced:
             return
+        if late := [i for i, p in enumerate(self._pskv_params) if p.grad is not None and id(p) in self._pskv_frozen]:
+            raise TrainerError(f"parameters {late} (in param_groups order) have gradients but were frozen when the optimizer "
+                               "was wrapped, so they are not summed: wrap it after unfreezing them")
         used = torch.tensor([p.grad is not None for p in self._pskv_params], dtype=torch.float32)
         kv = self._pskv.kvstore
         counted = kv.pushpull(self._pskv_used, used, wait=False) if kv is not None else None  # beside the gradients
@@ -67,6 +71,10 @@ class _Distributed:
     def _pskv_backward_end(self) -> None:
         self._pskv_synced = False  # (a backward without a step since: its gradients are new)
         self.synchronize()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise TrainerError("add_param_group on a DistributedOptimizer: its parameters would not be summed; add every "
+                           "group before wrapping (or wrap the optimizer again)")
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -106,6 +114,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
         wrapped.step._wrapped_by_lr_sched = True
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
+    wrapped._pskv_frozen = {id(p) for p in params if not p.requires_grad}
     wrapped._pskv._after_backward = wrapped._pskv_backward_end  # the sums when backward ends, as DDP
     if store is not None and not wrapped._pskv.overlap:
         wrapped._pskv._arm()  # (hooks to hear when backward ends)

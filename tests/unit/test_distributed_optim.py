@@ -283,3 +283,19 @@ def test_load_state_dict_reaches_the_optimizer_a_scheduler_made_before_wrapping_
         sched.step()
     assert p.tolist() == [1 - 0.5 * (0.9 * 10 + 1)] * 2  # lr 0.5, buffer 10 -> 10
     assert dopt.param_groups[0]["lr"] == pytest.approx(0.05) and opt.param_groups is dopt.param_groups
+
+
+def test_parameters_the_wrapper_does_not_sum_are_refused_by_name() -> None:
+    """A group added after wrapping, or a parameter frozen when wrapped and unfrozen later, was trained
+    on each worker's own gradient (divided by the workers: 'average') without a word."""
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2), requires_grad=False)
+    dopt = pskv.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), "local")
+    with pytest.raises(pskv.TrainerError, match="add_param_group on a DistributedOptimizer"):
+        dopt.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    b.requires_grad_(True)
+    a.grad, b.grad = torch.ones(2), torch.ones(2)
+    with pytest.raises(pskv.TrainerError, match=r"parameters \[1\] \(in param_groups order\) have gradients but were frozen"):
+        dopt.step()
+    assert a.tolist() == [1.0, 1.0]  # nothing stepped
+    pskv.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), "local").step()  # wrapped after unfreezing: fine
+    assert a.tolist() == b.tolist() == [0.0, 0.0]
