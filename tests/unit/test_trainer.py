@@ -68,11 +68,21 @@ def test_three_workers_two_servers(inproc_job: Job, update_on_kvstore: Any) -> N
 
 def test_two_trainers_share_one_store(inproc_job: Job) -> None:
     """A GAN's generator and discriminator Trainers on the job's one store (a worker has one): the
-    second takes keys of its own, ints after the first's, names with #1 (they collided: DuplicateInitError)."""
+    second takes keys of its own, ints after the first's, names with #1 (they collided: DuplicateInitError).
+    A store runs one optimizer for every key: they update on the workers (the second picks that itself);
+    one that would run its optimizer on the store is refused (it replaced the first's, in silence)."""
 
     def body(kv: KVStore) -> list[Any]:
         params = [{"0.weight": _ones_param()}, {"0.weight": _ones_param()}] if kv.type == "local" else [[_ones_param()], [_ones_param()]]
-        trainers = [pskv.Trainer(ps, "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv) for ps in params]
+        trainers = [pskv.Trainer(ps, "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv, update_on_kvstore=uok)
+                    for ps, uok in zip(params, (False, None))]
+        assert [t.update_on_kvstore for t in trainers] == [False, False]
+        with pytest.raises(pskv.TrainerError, match="a second Trainer on this store: a store runs one optimizer"):
+            pskv.Trainer([_ones_param()], "sgd", kvstore=kv, update_on_kvstore=True)
+        alone = pskv.kv.create("local")
+        pskv.Trainer([_ones_param()], "sgd", kvstore=alone)  # its optimizer runs in the store
+        with pytest.raises(pskv.TrainerError, match="a second Trainer on this store"):
+            pskv.Trainer([_ones_param()], "sgd", kvstore=alone, update_on_kvstore=False)
         for _ in range(2):
             for t, ps, grad in zip(trainers, params, (1.0, 10.0)):
                 p = next(iter(ps.values())) if isinstance(ps, dict) else ps[0]
