@@ -24,7 +24,8 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
     a bucket's gradients become their sum over the workers (``op="sum"``) or its mean (``"average"``,
     DDP's own). The store must run no optimizer (the servers only sum) and not be ``dist_async``; the
     buckets are its keys ``"ddp-bucket-I-N"`` (index I, N elements: DDP rebuilds its buckets after the
-    first step), so give the hook a store of its own. A thread of the hook completes each bucket's
+    first step; a later hook on the store adds ``#1``, ``#2``..., as every worker makes its hooks in one
+    order: a GAN's two models). A thread of the hook completes each bucket's
     future once the sum is back; DDP waits for the futures at the end of backward."""
     if op not in ("average", "sum"):
         raise KVStoreError(f"ddp_hook op {op!r}: it must be 'average' or 'sum'")
@@ -44,11 +45,13 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
 
     threading.Thread(target=complete, name="pskv-ddp-hook", daemon=True).start()
     known: set[str] = set()
+    mine = kv.__dict__.setdefault("_ddp_hooks", 0)  # (this store's hooks before this one)
+    kv.__dict__["_ddp_hooks"] = mine + 1
 
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:  # type: ignore[name-defined]  # (DDP checks them)
         _no_optimizer(kv)  # (one set since the hook was made: a Trainer's on this store?)
         buffer = bucket.buffer()
-        key = f"ddp-bucket-{bucket.index()}-{buffer.numel()}"
+        key = f"ddp-bucket-{bucket.index()}-{buffer.numel()}" + (f"#{mine}" if mine else "")
         if key not in known:  # every worker meets the same buckets in the same order: their inits agree
             kv.init(key, torch.zeros_like(buffer))
             known.add(key)

@@ -77,6 +77,28 @@ def test_ddp_with_the_hook_trains_as_one_process_on_all_batches(tmp_path: Path, 
     assert keys >= (2 if params == "unused" else 3), res  # several buckets (rebuilt after step 1: more keys)
 
 
+TWO_MODELS = """\
+import torch, torch.distributed as dist, pskv
+kv = pskv.kv.create("dist_sync")
+dist.init_process_group("gloo", rank=kv.rank, world_size=kv.num_workers)
+models = [torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4)) for _ in range(2)]  # a GAN's G and D
+for m in models:
+    m.register_comm_hook(None, pskv.ddp_hook(kv))
+for m in models:
+    m(torch.ones(2, 4) * (kv.rank + 1)).sum().backward()
+print(f"rank {kv.rank}:", [m.module.weight.grad[0, 0].item() for m in models], sorted(kv._keys), flush=True)
+kv.close()
+"""
+
+
+def test_two_models_hooked_to_one_store_have_keys_of_their_own(tmp_path: Path) -> None:
+    """The second model's buckets had the first's keys: DuplicateInitError from backward."""
+    res = jobs.launch(tmp_path, TWO_MODELS, 2, 1, timeout=120)
+    assert res.code == 0, res
+    for rank in (0, 1):  # the mean of 2 x 1 and 2 x 2
+        assert f"rank {rank}: [3.0, 3.0] ['ddp-bucket-0-20', 'ddp-bucket-0-20#1']" in res.stdout, res
+
+
 def test_ddp_hook_refuses_what_it_cannot_do() -> None:
     import pskv
 
