@@ -47,7 +47,7 @@ def _close(client: WorkerClient) -> None:
     try:
         client.close()
     except Exception as exc:  # exiting anyway; say why the job may see this worker as failed
-        print(f"pskv: closing the store failed: {exc}", file=sys.stderr)
+        print(f"pskv: while closing the store: {exc}", file=sys.stderr)
 
 
 class DistStore(KVStore):

@@ -84,7 +84,7 @@ class WorkerClient(Node):
         self._lock = threading.RLock()  # the queued rows and the connections
         self._sending = threading.Lock()  # held by the one thread that flushes
         self._thread: Optional[threading.Thread] = None
-        self._stop = False
+        self._stop = self._finishing = False
         self.replicas = config.replicas()
         self.lost_servers: set[int] = set()  # their parts are served by their backups (PSKV_REPLICAS)
 
@@ -358,6 +358,7 @@ class WorkerClient(Node):
                 until = time.monotonic() + self.tracker.timeout
                 while (len(self.tracker) or self._pending) and time.monotonic() < until and self.tracker.fatal is None:
                     self._pump(0.05)
+                self._finishing = True  # (the scheduler may close our connection from now on: not a failure)
                 done = self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing")
                 until = time.monotonic() + 10.0
                 while not done._done and time.monotonic() < until:  # answered by the I/O thread
@@ -369,6 +370,8 @@ class WorkerClient(Node):
             with self._receiving:
                 self.data.close(linger=2.0)
                 self.shared.close()
+        if self.tracker.fatal is None:  # a push refused since the last call: this call is the next
+            self.tracker.raise_failure()
 
     def _loop(self) -> None:
         """The I/O thread: the scheduler's connection, heartbeats, deadlines, rows queued without waiting."""
@@ -384,7 +387,8 @@ class WorkerClient(Node):
                 timeout = (0.25 if self._dozing else FLUSH_DELAY) if not dues else max(0.0, min(dues) - now)
                 for peer, msg in self.van.recv(timeout):
                     if isinstance(msg, PeerGone):
-                        self.tracker.fail_all(self.lost(peer))
+                        if not (self._finishing and peer == "scheduler"):
+                            self.tracker.fail_all(self.lost(peer))
                     elif not isinstance(msg, ProtocolError):
                         self.last_heard = time.monotonic()
                         self._control(msg)

@@ -593,3 +593,20 @@ def test_a_pull_waits_behind_its_parts_push_that_the_window_holds(inproc_job: Jo
             for h in handles:
                 h.wait()
         assert seen == [float(i) for i in range(30)]
+
+
+def test_close_leaves_a_pulls_handle_whole_and_says_a_refused_push(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
+    """A pull in flight at close(): its wait() after it fills every out (it raised the scheduler's normal
+    end of the connection as a failure, and the second out stayed empty); a push refused in flight is said
+    by close(), the next call (nothing said it)."""
+    monkeypatch.setenv("PSKV_NONFINITE", "error")
+    job = inproc_job(1, 1, tcp=True)
+    kv = job.worker()
+    kv.init(["a", "b"], [torch.full((4,), 5.0), torch.zeros(4)])
+    outs = [torch.zeros(4), torch.zeros(4)]
+    handle = kv.pull("a", outs, wait=False)
+    kv.push("b", torch.full((4,), float("nan")), wait=False)
+    kv.close()
+    handle.wait()
+    assert [o.tolist() for o in outs] == [[5.0] * 4] * 2
+    assert "pskv: while closing the store: push of 1 parts: worker 0 pushed NaN or Inf to key 'b'" in capfd.readouterr().err
