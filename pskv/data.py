@@ -21,14 +21,15 @@ class SplitSampler(Sampler[int]):
     permuted by a generator seeded with ``seed + epoch``."""
 
     def __init__(self, length: int, num_parts: int = 1, part_index: int = 0, shuffle: bool = True, seed: int = 0) -> None:
-        if not all(isinstance(n, numbers.Integral) for n in (length, num_parts, part_index)) or num_parts < 1:  # (numpy's too)
-            raise ValueError(f"length, num_parts and part_index are whole numbers, num_parts >= 1; got length={length!r}, num_parts={num_parts!r}, part_index={part_index!r}")
+        if not all(isinstance(n, numbers.Integral) for n in (length, num_parts, part_index, seed)) or num_parts < 1:  # (numpy's too)
+            raise ValueError(f"length, num_parts, part_index and seed are whole numbers, num_parts >= 1; got length={length!r}, "
+                             f"num_parts={num_parts!r}, part_index={part_index!r}, seed={seed!r}")
         if not 0 <= part_index < num_parts:
             raise ValueError(f"part_index must be in [0, num_parts) = [0, {num_parts}), got part_index={part_index}")
         if length < num_parts:
             raise ValueError(f"length must be >= num_parts ({num_parts}) so that every part has a sample, got length={length}")
         self.length, self.num_parts, self.part_index = length, num_parts, part_index
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
+        self.shuffle, self.seed, self.epoch = shuffle, int(seed), 0
         self.part_len = length // num_parts
         self.start, self.end = self.part_len * part_index, self.part_len * (part_index + 1)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -271,8 +272,9 @@ class Trainer:
             self._kv.set_optimizer(self._optimizer)  # the same object: states are kept
 
     def _set_scale(self, batch_size: float) -> float:
-        if not isinstance(batch_size, (int, float)) or isinstance(batch_size, bool) or not 0 < batch_size < float("inf"):
-            raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")
+        if not isinstance(batch_size, numbers.Real) or isinstance(batch_size, bool) or not 0 < batch_size < float("inf"):
+            raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")  # (numpy's numbers too)
+        batch_size = float(batch_size)
         scale = self._scale / batch_size
         self._optimizer.set_rescale_grad(scale)
         # dist_sync: the scale goes with the pulls of the held round; dist_async: to the servers' optimizer

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+import pskv
 from pskv.app import datasets as data
 from pskv.app.datasets import (
     CIFAR10_MEAN,
@@ -85,11 +86,25 @@ def test_split_sampler_iteration_advances_the_epoch() -> None:
         ({"length": 10, "num_parts": 2, "part_index": -1}, "part_index=-1"),
         ({"length": 3, "num_parts": 4, "part_index": 0}, "length=3"),
         ({"length": 10.0, "num_parts": 2}, "are whole numbers.*length=10.0"),  # (was randperm's TypeError)
+        ({"length": 10, "seed": 1.5}, "are whole numbers.*seed=1.5"),  # (was a TypeError at iter())
     ],
 )
 def test_split_sampler_argument_errors(kwargs: dict[str, int], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SplitSampler(**kwargs)
+
+
+def test_numpy_numbers_are_numbers() -> None:
+    """A seed or a batch size from numpy (np.int64) is taken as the int it is (iter() raised a TypeError; step()
+    said "batch_size must be a positive number")."""
+    import numpy as np
+
+    assert list(SplitSampler(10, 2, 1, seed=np.int64(3))) == list(SplitSampler(10, 2, 1, seed=3))
+    p = torch.nn.Parameter(torch.ones(2))
+    trainer = pskv.Trainer([p], "sgd", {"learning_rate": 1.0}, kvstore=None)
+    p.grad = torch.full((2,), 8.0)
+    trainer.step(np.int64(8))
+    assert p.tolist() == [0.0, 0.0]
 
 
 def test_split_sampler_with_dataloader() -> None:
