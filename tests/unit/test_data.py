@@ -150,6 +150,13 @@ def test_split_and_load_too_small_or_no_devices() -> None:
         split_and_load(torch.arange(2), ["cpu"] * 3, even_split=False)
     with pytest.raises(ValueError, match="at least one device"):
         split_and_load(torch.arange(2), [])
+    with pytest.raises(ValueError, match=r"batch_axis 2 is not an axis of a batch of shape \(4, 2\)"):
+        split_and_load(torch.zeros(4, 2), ["cpu"] * 2, batch_axis=2)  # (was torch's IndexError)
+
+
+def test_split_and_load_takes_a_numpy_batch() -> None:
+    parts = split_and_load(np.arange(6).reshape(3, 2), ["cpu"] * 3)  # as MXNet's did (a TypeError from torch)
+    assert [p.tolist() for p in parts] == [[[0, 1]], [[2, 3]], [[4, 5]]]
 
 
 # =========================================================================== CIFAR-10
