@@ -58,8 +58,8 @@ class Codec:
         r = residual.view(-1)
         r.add_(grad.reshape(-1).to(r.dtype))
         big = torch.finfo(self.wire_dtype).max if self.type in _CASTS else math.inf
-        lo, hi = (float(x) for x in torch.aminmax(r)) if r.numel() else (0.0, 0.0)  # (NaN if any is)
-        odd = not (-big <= lo and hi <= big and math.isfinite(lo - hi))  # then the slower, masked steps
+        lo, hi = (float(x) for x in torch.aminmax(r)) if r.numel() and not r.is_cuda else (0.0, 0.0)  # (NaN if any is)
+        odd = r.is_cuda or not (-big <= lo and hi <= big and math.isfinite(lo - hi))  # the masked steps (on a GPU: no sync)
         if self.type in _CASTS:
             sent = (r.clamp(-big, big).where(r.isfinite(), r) if odd else r).to(self.wire_dtype)
             r.sub_(sent.to(r.dtype))

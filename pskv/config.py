@@ -38,7 +38,7 @@ from .errors import ConfigError
 
 T = TypeVar("T", int, float, str, bool)
 # the settings above, and those that pskv launch sets for its processes
-NAMES = frozenset(re.findall(r"PSKV_[A-Z_]+", __doc__ or "")) | {"PSKV_PORT_FD", "PSKV_RESTARTS", "PSKV_RANK"}
+NAMES = frozenset([*re.findall(r"PSKV_[A-Z_]+", __doc__), "PSKV_PORT_FD", "PSKV_RESTARTS", "PSKV_RANK"]) if __doc__ else frozenset()
 
 
 def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optional[T] = None, choices: tuple[str, ...] = ()) -> T:

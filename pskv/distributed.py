@@ -108,15 +108,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     cls: Any = type(f"Distributed{type(optimizer).__name__}", (_Distributed, type(optimizer)), {})
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__  # one dict: param_groups, state, defaults, and what load_state_dict sets
-    wrapped._pskv_inner = optimizer.__dict__.get("step")  # the step an LR scheduler put on it: it does not sum,
-    if wrapped._pskv_inner is not None:  # so ours goes in its place, marked as the scheduler marks its own
+    wrapped._pskv_inner = optimizer.__dict__.get("_pskv_inner") or optimizer.__dict__.get("step")  # the step an LR
+    if wrapped._pskv_inner is not None:  # scheduler put on it (wrapped before: kept) does not sum: ours goes in its place
         wrapped.step = lambda closure=None: _Distributed.step(wrapped, closure)
         wrapped.step._wrapped_by_lr_sched = True
     wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
     wrapped._pskv_frozen = {id(p) for p in params if not p.requires_grad}
-    wrapped._pskv._after_backward = wrapped._pskv_backward_end  # the sums when backward ends, as DDP
-    if store is not None and not wrapped._pskv.overlap:
+    if op == "average":  # the means when backward ends, as DDP (a sum there would count an earlier backward W times)
+        wrapped._pskv._after_backward = wrapped._pskv_backward_end
+    if store is not None and not wrapped._pskv.overlap and op == "average":
         wrapped._pskv._arm()  # (hooks to hear when backward ends)
     if store is not None:
         wrapped._pskv_used = _fresh_keys(store, 1)[0]

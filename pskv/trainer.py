@@ -100,7 +100,7 @@ class Trainer:
         elif kvstore is not None and not isinstance(kvstore, KVStore):
             raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
         kv = self._kv = kvstore
-        sharing = [] if kv is None else kv.__dict__.setdefault("_trainers", [])  # update_on_kvstore of those on it so far
+        sharing = [t._update_on_kvstore for t in kv.__dict__.get("_trainers", ())] if kv is not None else []  # of those on it
         if sharing and (update_on_kvstore or any(sharing) or kv.type == "dist_async"):  # type: ignore[union-attr]
             raise TrainerError("a second Trainer on this store: a store runs one optimizer, for every key, so Trainers that "
                                "share one all pass update_on_kvstore=False (each updates its own parameters; the store "
@@ -111,7 +111,6 @@ class Trainer:
         if kv is not None and kv.type == "dist_async" and update_on_kvstore is False:
             raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
         self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))
-        sharing.append(self._update_on_kvstore)
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
         self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
         if kv is not None:
@@ -136,6 +135,8 @@ class Trainer:
             remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
             overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
         self._overlap = bool(overlap)
+        if kv is not None:  # (made: the Trainers on a store, while they live)
+            kv.__dict__.setdefault("_trainers", weakref.WeakSet()).add(self)
         # the first steps' forwards (no pull in flight yet) show which modules read the parameters of a
         # child they do not call (MultiheadAttention its out_proj's): later forwards wait for those too
         self._called: Optional[dict[int, torch.nn.Module]] = {} if self._overlap else None
@@ -167,7 +168,8 @@ class Trainer:
             if trainer is not None and trainer._called is not None:
                 trainer._called[id(module)] = module
             if trainer is not None and trainer._inflight:
-                for i in [where.get(id(t)) for t in module._parameters.values()] + trainer._reads.get(id(module), []):
+                own = module._parameters.values() if module.training else module.parameters()  # (eval: fast paths read all)
+                for i in [where.get(id(t)) for t in own] + trainer._reads.get(id(module), []):
                     if i is not None and i in trainer._inflight:
                         t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
@@ -301,6 +303,7 @@ class Trainer:
     def _next_step(self) -> None:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
+        self._queued = False  # (a backward that failed dropped its callback)
         called, self._called = self._called, None
         for m in (called or {}).values():
             for child in m.children():

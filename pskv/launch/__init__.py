@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             if not raw.lstrip("-").isdigit():
                 raise LaunchError(f"{var}={raw!r} is not a whole number")
             setattr(args, flag, int(raw))
-    for name in sorted(set(given) - config.NAMES):
+    for name in sorted(set(given) - config.NAMES if config.NAMES else ()):  # (none under python -OO: no docstrings)
         if name.startswith("PSKV_"):  # a misspelled setting would be ignored where it is read
             near = difflib.get_close_matches(name, config.NAMES, 1)
             print(f"pskv launch: {name} is not a pskv setting{f' (did you mean {near[0]}?)' if near else ''}; it is ignored", file=sys.stderr)

@@ -215,7 +215,7 @@ class WorkerClient(Node):
                 for (server, _), batch, _ in batches:
                     self._pending_bytes[server] -= sum(q.nbytes for q in batch)
                 # the parts of pushes that wait: their pulls wait behind them (a pull sees the earlier pushes)
-                waiting = {s: {(q.row[0], q.row[1]) for q in rows} for (s, kind), rows in self._pending.items() if kind == Type.PUSH}
+                waiting = {s: {(q.row[0], q.row[1]) for q in rows} for (s, kind), rows in self._pending.items() if kind == Type.PUSH and self._window}
             held = []
             for (server, kind), batch, room in batches:  # (a server's PUSH comes before its PULL)
                 now: list[Queued] = []

@@ -299,3 +299,38 @@ def test_parameters_the_wrapper_does_not_sum_are_refused_by_name() -> None:
     assert a.tolist() == [1.0, 1.0]  # nothing stepped
     pskv.DistributedOptimizer(torch.optim.SGD([a, b], lr=1.0), "local").step()  # wrapped after unfreezing: fine
     assert a.tolist() == b.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_two_backward_passes_before_a_step_count_each_once(inproc_job: Job, op: str) -> None:
+    """A GAN's D: errD_real.backward(); errD_fake.backward(); step(). With the sum made when each backward
+    ends, op="sum" counted the first backward W times; and a re-wrapped optimizer (after unfreezing) whose
+    LR scheduler was made before the first wrap must not step itself in a loop."""
+
+    def worker(kv: KVStore) -> list[torch.Tensor]:
+        net = _net()
+        base = torch.optim.SGD(net.parameters(), lr=0.5)
+        sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+        pskv.DistributedOptimizer(base, kv, op=op)
+        dopt = pskv.DistributedOptimizer(base, kv, op=op)  # wrapped again (a parameter unfrozen, say)
+        for step in range(2):
+            dopt.zero_grad()
+            for half in (0, 1):
+                x, y = _batch(step, 2 * kv.rank + half)
+                nn.functional.cross_entropy(net(x), y).backward()
+            dopt.step()
+            sched.step()
+        return [p.detach().clone() for p in net.parameters()]
+
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        opt.zero_grad()
+        loss = sum(nn.functional.cross_entropy(net(x), y) for x, y in (_batch(step, k) for k in range(4)))
+        (loss / (2 if op == "average" else 1)).backward()
+        opt.step()
+        sched.step()
+    for got in inproc_job(2, 1).run_workers(worker):
+        for a, w in zip(got, net.parameters()):
+            assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()

@@ -80,9 +80,13 @@ def test_two_trainers_share_one_store(inproc_job: Job) -> None:
         with pytest.raises(pskv.TrainerError, match="a second Trainer on this store: a store runs one optimizer"):
             pskv.Trainer([_ones_param()], "sgd", kvstore=kv, update_on_kvstore=True)
         alone = pskv.kv.create("local")
-        pskv.Trainer([_ones_param()], "sgd", kvstore=alone)  # its optimizer runs in the store
+        with pytest.raises(pskv.TrainerError, match="overlap needs a dist store"):
+            pskv.Trainer([_ones_param()], "sgd", kvstore=alone, overlap=True)  # not made: not on the store
+        first = pskv.Trainer([_ones_param()], "sgd", kvstore=alone)  # its optimizer runs in the store
         with pytest.raises(pskv.TrainerError, match="a second Trainer on this store"):
             pskv.Trainer([_ones_param()], "sgd", kvstore=alone, update_on_kvstore=False)
+        del first  # gone: the next one is the store's only Trainer (a new phase of training)
+        assert pskv.Trainer([_ones_param()], "sgd", kvstore=alone).update_on_kvstore
         for _ in range(2):
             for t, ps, grad in zip(trainers, params, (1.0, 10.0)):
                 p = next(iter(ps.values())) if isinstance(ps, dict) else ps[0]
@@ -570,3 +574,29 @@ def test_overlap_waits_for_parameters_a_module_reads_without_calling_their_modul
     overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
     assert overlapped[1] == [[]] * 4, overlapped[1]
     assert overlapped[0] == plain[0]
+
+
+def test_an_eval_forward_waits_for_every_parameter_below_it(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In eval mode a TransformerEncoderLayer takes a fast path that reads its children's weights without
+    calling them (the first, training, step does not show that): a module's eval forward waits for every
+    pull below it (it read weights still in flight, e.g. pskv train's test pass after the last step)."""
+    monkeypatch.setattr("pskv.trainer.RUN_BYTES", 64)
+
+    def body(kv: KVStore) -> list[list[str]]:
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        tr = pskv.Trainer(layer.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv, overlap=True)
+        index = {id(p): i for i, p in enumerate(layer.parameters())}
+        seen: list[list[str]] = []
+        layer.register_forward_pre_hook(lambda m, a: seen.append([n for n, p in m.named_parameters() if index[id(p)] in tr._inflight]))
+        x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            layer(x).square().sum().backward()
+            tr.step(1)
+        layer.eval()
+        with torch.no_grad():
+            layer(x)
+        tr.synchronize()
+        return seen
+
+    seen = inproc_job(1, 1).run_workers(body)[0]
+    assert seen[-1] == [], seen[-1]
