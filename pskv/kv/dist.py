@@ -72,6 +72,7 @@ class DistStore(KVStore):
         self._round_sent = self._client.rounds_sent  # (key, part) -> the round of our latest push of it
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
+        self._slot_busy: dict[tuple[int, int], Handle] = {}  # (key, part) -> the push still in its shared-memory slot
         self._streams: dict[tuple[torch.device, bool], Any] = {}  # side CUDA streams per device: copies to the host, from it
 
     @property
@@ -144,8 +145,10 @@ class DistStore(KVStore):
         def put(meta: KeyMeta, p: Part, row: list[int], frames: list[Any], entry: Any, ready: Any = None) -> None:
             nbytes = p.numel * meta.dtype.itemsize if frames else 0
             self._client.queue(p.server, Type.PUSH, row, frames, entry, nbytes, ready, priority)
-            if bufs is not None or not frames or ready is not None:  # its answer, or its slot (shared or page-locked), is in use until done
+            if bufs is not None or ready is not None:  # its answer, or its page-locked slot, is in use until done
                 self._before_push[(meta.id, p.index)] = handle
+            elif not frames:  # through our shared-memory slot, which the server reads until the round merges
+                self._slot_busy[(meta.id, p.index)] = handle
 
         staged: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}  # per GPU: (slot, piece) to copy
         waiting = []  # the GPU values' rows, queued once their copy is
@@ -201,7 +204,7 @@ class DistStore(KVStore):
             one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
             merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
         out = []
-        for p, round_ in rounds:
+        for p, round_, busy in rounds:
             kind, home, frames = PushKind.DENSE, (-1, 0), []  # home: the (fd, offset) of our shared-memory slot
             shm = p.server in self._client.shm_servers
             if sparse:
@@ -211,7 +214,7 @@ class DistStore(KVStore):
             elif comp is not None:
                 kind = PushKind.COMPRESSED
                 frames = [tensor_frame(comp.codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
-            elif gpu or shm:  # summed into our slot: shared memory, or pinned memory for a GPU value
+            elif gpu or (shm and not busy):  # summed into our slot: shared memory, or pinned memory for a GPU value
                 slot, home = self._slot(meta, p, gpu)
                 if gpu:  # (one value: summed on the device above)
                     staged.setdefault(values[0].device, []).append((slot, self._piece(meta, flats[0], p)))
@@ -225,12 +228,13 @@ class DistStore(KVStore):
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
                 frames = [tensor_frame(merged_flat[p.start : p.stop])]
             out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, values[0].device if gpu else None))
-        for p, round_ in rounds:
+        for p, round_, _ in rounds:
             self._round_sent[(meta.id, p.index)] = round_
         return out
 
-    def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int]]:
-        """Each part and the round this push makes it, once its earlier pull or push from its slot is done."""
+    def _rounds(self, meta: KeyMeta) -> Iterator[tuple[Part, int, bool]]:
+        """Each part, the round this push makes it, once its earlier pull (or push from a page-locked slot) is
+        done, and whether its shared-memory slot is still read by an earlier push (then the value goes by TCP)."""
         for p in self._parts[meta.id]:
             where = (meta.id, p.index)
             earlier = self._before_push.pop(where, None)
@@ -244,7 +248,9 @@ class DistStore(KVStore):
                 for copied in earlier.copies:
                     copied.synchronize()
                 earlier.copies = []  # done: the other keys of that call need not wait for them again
-            yield p, self._round_sent.get(where, 0) + 1  # (counted once the push's rows are made)
+            if where in self._slot_busy and self._slot_busy[where].finished:
+                del self._slot_busy[where]
+            yield p, self._round_sent.get(where, 0) + 1, where in self._slot_busy  # (counted once the rows are made)
 
     def _slot(self, meta: KeyMeta, p: Part, gpu: bool) -> tuple[Tensor, tuple[int, int]]:
         """The host memory a part is pushed from, made once, and its (fd, offset): our shared memory

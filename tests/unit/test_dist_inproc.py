@@ -610,3 +610,31 @@ def test_close_leaves_a_pulls_handle_whole_and_says_a_refused_push(inproc_job: J
     handle.wait()
     assert [o.tolist() for o in outs] == [[5.0] * 4] * 2
     assert "pskv: while closing the store: push of 1 parts: worker 0 pushed NaN or Inf to key 'b'" in capfd.readouterr().err
+
+
+def test_a_second_push_without_waiting_does_not_wait_for_the_first_through_shared_memory(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through shared memory the second push of a key waited for the first's round to merge (its slot was
+    still read), so push(wait=False) blocked and this program, fine over TCP, hung at the barrier. The
+    second now goes by TCP while the slot is in use."""
+    monkeypatch.setenv("PSKV_SHM", "1")
+    monkeypatch.setenv("PSKV_TIMEOUT", "20")
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init("k", torch.zeros(4))
+        if kv.rank == 0:
+            handles = [kv.push("k", torch.full((4,), v), wait=False) for v in (1.0, 2.0, 3.0)]
+            kv.barrier()
+            for h in handles:
+                h.wait()
+        else:
+            kv.barrier()
+            for v in (10.0, 20.0, 30.0):
+                kv.push("k", torch.full((4,), v))
+        out, seen = torch.empty(4), []
+        kv.pull("k", out)
+        seen.append(out[0].item())
+        kv.push("k", torch.full((4,), 0.5))  # the slot again, once free
+        kv.pull("k", out)
+        return [*seen, out[0].item()]
+
+    assert inproc_job(2, 1, tcp=True).run_workers(body, timeout=60) == [[33.0, 1.0]] * 2
