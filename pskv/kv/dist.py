@@ -69,7 +69,7 @@ class DistStore(KVStore):
         self._bound = config.bigarray_bound()
         self._chunk = config.chunk_bytes(self._client.across_hosts)
         self._parts: dict[int, list[Part]] = {}
-        self._round_sent = self._client.rounds_sent  # (key, part) -> the round of our latest push of it
+        self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
         self._slot_busy: dict[tuple[int, int], Handle] = {}  # (key, part) -> the push still in its shared-memory slot

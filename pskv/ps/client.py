@@ -68,7 +68,6 @@ class WorkerClient(Node):
         self.data = Van("worker")  # the connections to the servers (``self.van`` has the scheduler's)
         self._receiving = threading.Lock()  # held by the thread that receives the servers' answers
         self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), self._pump)
-        self.rounds_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it (the store counts)
         self.shared = shm.Shared()
         self.shm_servers: set[int] = set()
         self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
@@ -266,8 +265,7 @@ class WorkerClient(Node):
         table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
         msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
         req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
-        if self.replicas:  # sent again on a failover
-            req.rows = [(q.row, q.frames if self.replicas else ()) for q in batch]
+        req.rows = [(q.row, q.frames) for q in batch] if self.replicas else None  # sent again on a failover
         if server in self.shm_servers:  # answers may be slots of its shared memory
             pid = int(self.servers[server]["pid"])
             req.shared = lambda row, dtype, pid=pid: self.shared.tensor(pid, row.fd, row.offset, row.nbytes, dtype)
