@@ -79,8 +79,7 @@ def load_states(path: Path, trainer: Trainer, updates: Optional[int] = None) -> 
     (another number of workers): the saved counts are scaled to it, so the schedule is where it was."""
     with tempfile.TemporaryDirectory() as temp:
         file = path / "optimizer.pt"
-        state = optim.load_states(file)
-        if updates is not None and state["num_update"] not in (0, updates):
+        if updates is not None and (state := optim.load_states(file))["num_update"] not in (0, updates):  # (read to scale)
             scale, state["num_update"] = updates / state["num_update"], updates
             for key in state["keys"].values():
                 key["step"] = max(1, round(key["step"] * scale)) if key["step"] else 0

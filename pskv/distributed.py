@@ -117,8 +117,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     wrapped._pskv_frozen = {id(p) for p in params if not p.requires_grad}
     if op == "average":  # the means when backward ends, as DDP (a sum there would count an earlier backward W times)
         wrapped._pskv._after_backward = wrapped._pskv_backward_end
-    if store is not None and not wrapped._pskv.overlap and op == "average":
-        wrapped._pskv._arm()  # (hooks to hear when backward ends)
+        if store is not None and not wrapped._pskv.overlap:
+            wrapped._pskv._arm()  # (hooks to hear when backward ends)
     if store is not None:
         wrapped._pskv_used = _fresh_keys(store, 1)[0]
         store.init(wrapped._pskv_used, torch.zeros(len(params)))

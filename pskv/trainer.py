@@ -304,11 +304,11 @@ class Trainer:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)
-        called, self._called = self._called, None
-        for m in (called or {}).values():
+        called, self._called = self._called or {}, None
+        for m in called.values():
             for child in m.children():
-                if id(child) not in called:  # type: ignore[operator]
-                    self._reads.setdefault(id(m), []).extend(self._where.get(id(t)) for t in child.parameters())  # type: ignore[misc]
+                if id(child) not in called:
+                    self._reads.setdefault(id(m), []).extend(i for t in child.parameters() if (i := self._where.get(id(t))) is not None)
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
