@@ -51,9 +51,13 @@ def _sgd(h: Hyper, lr: float, states: Sequence[KeyState], gs: list[Tensor], ws: 
     kinds = [(w.dtype, momentum != 0 and st.step <= 1) for w, st in zip(ws, states)]  # first step: momentum = gradient
     for dtype, first in set(kinds):
         ks = [k for k, x in enumerate(kinds) if x == (dtype, first)]
-        torch._fused_sgd_([ws[k] for k in ks], [gs[k] for k in ks], [states[k].tensors["momentum_buffer"] for k in ks] if momentum else [],
-                          weight_decay=float(h["wd"]), momentum=momentum, lr=lr, dampening=float(h["dampening"]),
+        w, g, b = [ws[k] for k in ks], [gs[k] for k in ks], [states[k].tensors["momentum_buffer"] for k in ks] if momentum else []
+        low = dtype in (torch.float16, torch.bfloat16) and w[0].device.type == "cpu"  # torch's CPU kernel leaves their
+        w32, g32, b32 = ([t.float() for t in ts] for ts in (w, g, b)) if low else (w, g, b)  # vectorised elements as they were
+        torch._fused_sgd_(w32, g32, b32, weight_decay=float(h["wd"]), momentum=momentum, lr=lr, dampening=float(h["dampening"]),
                           nesterov=bool(h["nesterov"]), maximize=False, is_first_step=first)
+        if low:  # (in float32, as the kernel's own arithmetic, then rounded back)
+            torch._foreach_copy_(w + b, w32 + b32)
 
 
 def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor) -> None:

@@ -229,6 +229,21 @@ def test_apply_push_assigns_without_optimizer() -> None:
     assert torch.equal(stored, torch.tensor([[0.0, 0.0], [0.0, 0.0], [7.0, 7.0]]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("hyper", [{}, {"momentum": 0.9, "wd": 0.01, "nesterov": True}])
+def test_sgd_updates_every_element_of_half_precision_weights(dtype: torch.dtype, hyper: dict) -> None:
+    """torch's fused CPU SGD left the vectorised elements (the first 16 k) of float16/bfloat16 weights
+    as they were (and filled the momentum with garbage): the weights are those of float32, rounded."""
+    gen = torch.Generator().manual_seed(0)
+    w32, grads = torch.randn(40, generator=gen), [torch.randn(40, generator=gen) for _ in range(3)]
+    low, ref = create("sgd", learning_rate=0.1, **hyper), create("sgd", learning_rate=0.1, **hyper)
+    w = w32.to(dtype)
+    for g in grads:
+        low.update(0, g.to(dtype), w)
+        ref.update(0, g, w32)
+    torch.testing.assert_close(w.float(), w32, rtol=0, atol=0.05)
+
+
 @pytest.mark.parametrize("hyper", [{}, {"momentum": 0.9, "wd": 1e-3, "rescale_grad": 0.5}, {"momentum": 0.8, "nesterov": True}, {"momentum": 0.9, "dampening": 0.1}])
 @pytest.mark.parametrize("dtypes", [[torch.float32] * 3, [torch.bfloat16] * 3, [torch.float32, torch.float16, torch.float64]])
 def test_update_all_is_update_key_by_key(hyper: dict, dtypes: list[torch.dtype]) -> None:
