@@ -113,6 +113,7 @@ class Trainer:
         self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
         self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
+        self._async = kv is not None and kv.type == "dist_async"
         if kv is not None:
             if compression_params:
                 kv.set_gradient_compression(compression_params)
@@ -184,8 +185,8 @@ class Trainer:
         if not self._queued:  # when this backward ends: what is left of the bucket goes, then _after_backward
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_end)
-        if not self._overlap:  # (armed only to hear when backward ends: a DistributedOptimizer's)
-            return
+        if not self._overlap or self._async:  # (armed only to hear when backward ends: a DistributedOptimizer's; dist_async
+            return  # applies a push as it arrives, with the 1/batch_size that step sends first: its gradients leave in step)
         i = self._where[id(param)]
         if self._pushed[i]:
             raise TrainerError(f"parameter {self._keys[i]!r} got a second gradient before step(): with overlap it left "

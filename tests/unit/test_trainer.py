@@ -116,6 +116,23 @@ def test_batch_size_scales_the_sum(inproc_job: Job) -> None:
     assert job.run_workers(body) == [-2.0, -2.0]
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dist_async_scales_each_step_by_its_own_batch_size(inproc_job: Job, overlap: bool) -> None:
+    """dist_async applies a push as it arrives: with overlap the gradients left during backward, before
+    step(batch_size) sent the scale, so the first step (and one after a new batch size) took the old one."""
+    def body(kv: KVStore) -> list[float]:
+        w = _ones_param(2)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0}, kvstore=kv, overlap=overlap)
+        for batch in (4, 8):
+            w.grad = None
+            (w * 8).sum().backward()
+            tr.step(batch)
+            tr.synchronize()
+        return w.tolist()
+
+    assert inproc_job(1, 1).run_workers(body, "dist_async") == [[-2.0, -2.0]]  # 1 - 8/4 - 8/8
+
+
 def test_workers_with_different_batch_sizes_are_an_error(inproc_job: Job) -> None:
     """The servers took the scale of whichever worker's pull came first: weights changed from run to run."""
 
