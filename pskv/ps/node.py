@@ -65,6 +65,8 @@ class JobEnv:
         workers, servers = _int(env, "DMLC_NUM_WORKER", 1), _int(env, "DMLC_NUM_SERVER", 0)
         wid, sid = _int(env, "DMLC_WORKER_ID", 0, required=False), _int(env, "DMLC_SERVER_ID", 0, required=False)
         assert port is not None and workers is not None and servers is not None
+        if port > 65535 or (port == 0 and role != "scheduler" and not uri.startswith("inproc://")):  # (0: the launcher's scheduler picks one)
+            raise ClusterError(f"DMLC_PS_ROOT_PORT={port} is not a port to reach the scheduler at (1 to 65535)")
         if role == "worker" and wid is not None and wid >= workers:
             raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
         if role == "server" and sid is not None and sid >= servers:

@@ -26,6 +26,8 @@ def test_reads_the_contract() -> None:
         ({"DMLC_ROLE": "boss"}, "DMLC_ROLE='boss'"),
         ({"DMLC_PS_ROOT_URI": ""}, "DMLC_PS_ROOT_URI"),
         ({"DMLC_PS_ROOT_PORT": "x"}, "DMLC_PS_ROOT_PORT='x' is not an integer"),
+        ({"DMLC_PS_ROOT_PORT": "0"}, "DMLC_PS_ROOT_PORT=0 is not a port"),  # both waited PSKV_START_TIMEOUT
+        ({"DMLC_PS_ROOT_PORT": "70000"}, "DMLC_PS_ROOT_PORT=70000 is not a port"),
         ({"DMLC_NUM_WORKER": "0"}, "DMLC_NUM_WORKER=0 must be >= 1"),
         ({"DMLC_NUM_SERVER": ""}, "DMLC_NUM_SERVER is not set"),
         ({"DMLC_WORKER_ID": "3"}, "DMLC_WORKER_ID=3 but the job has DMLC_NUM_WORKER=3"),
