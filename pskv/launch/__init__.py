@@ -60,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     cluster, yarn_k8s = tuple(LAUNCHERS)[1:], ("yarn", "kubernetes")
     option("-n", "--num-workers", type=int, required=True, help="number of workers")
     option("-s", "--num-servers", type=int, help="number of servers (default: as many as workers)")
-    option("--launcher", default="local", choices=LAUNCHERS, help="how to start the processes (default: local)")
+    option("--launcher", choices=LAUNCHERS, help="how to start the processes (default: ssh with -H, as MXNet's launch.py; else local)")
     option("-H", "--hostfile", used_by=("ssh", "mpi", "slurm"), help="hosts to run on (ssh, mpi; slurm: the nodes to ask "
            "for): lines 'host', 'host:port' (ssh port), 'host slots=N' (weight in the round-robin placement); '#' comments")  # fmt: skip
     option("--sync-dst-dir", used_by=("ssh", "mpi"), metavar="DIR",
@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from .job import run_job
     from .spec import DEFAULT_PORT, JobSpec, read_hostfile
 
+    args.launcher = args.launcher or ("ssh" if args.hostfile else "local")  # MXNet's `launch.py -H hosts -n 2 CMD`
     for dest, (flags, users) in _USED_BY.items():
         if getattr(args, dest, None) not in (None, False, "") and args.launcher not in users:
             raise LaunchError(f"{flags} is not used by the {args.launcher} launcher (it is for: {', '.join(users)})")

@@ -439,8 +439,10 @@ def test_sge_dry_run_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
 
 
 def test_options_that_a_launcher_does_not_use_are_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = _cli(["launch", "-n", "1", "-H", "hosts", "--", "true"], capsys)
+    code, _, err = _cli(["launch", "-n", "1", "--launcher", "local", "-H", "hosts", "--", "true"], capsys)
     assert code == 2 and "-H/--hostfile is not used by the local launcher" in err
+    code, _, err = _cli(["launch", "-n", "1", "-H", "no-such-hostfile", "--", "true"], capsys)  # -H alone: ssh, as MXNet's
+    assert code == 2 and "cannot read the hostfile no-such-hostfile" in err
     code, _, err = _cli(["launch", "-n", "1", "--launcher", "ssh", "--", "true"], capsys)
     assert code == 2 and "needs the hosts: -H/--hostfile FILE" in err
     code, _, err = _cli(["launch", "-n", "1", "--launcher", "mpi", "--image", "x", "--", "true"], capsys)
