@@ -4,6 +4,7 @@ the processes on this machine (docs/launchers/README.md, "How the launcher is bu
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import glob
 import os
@@ -102,6 +103,7 @@ class ProcessContext:
         self.started = self.ended = False  # what the scheduler said: the job started, ended
         self.joined = 0  # workers that registered with it (before the start)
         self.restarts = self.max_restarts = 0  # of workers it declared lost (--max-restarts)
+        self.starting, self.deferred = False, 0  # in start(): run_job's signal handler defers a signal till it returns
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -111,19 +113,25 @@ class ProcessContext:
         or only its ``"tail"`` kept; ``stdin="pipe"``: a pipe never written, closed when the job stops
         (``"secret"``: written once, the job's secret)."""
         env = {**env, "PSKV_LIFELINE": f"{self.lifeline}:{os.fstat(self.lifeline).st_ino}"}
-        popen = subprocess.Popen(
-            list(argv), env=env, stdin=subprocess.DEVNULL if stdin == "devnull" else subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*pass_fds, self.lifeline),
-        )  # fmt: skip
-        if stdin == "secret" and popen.stdin is not None:
-            with contextlib.suppress(BrokenPipeError):  # it exited at once: its status tells why
-                popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
-                popen.stdin.flush()
-        proc = Proc(name, popen, again=lambda n: self.start(name, argv, {**env, "PSKV_RESTARTS": str(n)}, pass_fds, show, stdin, main))
-        pipes = ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr))
-        proc.readers = [pump(pipe, functools.partial(self._emit, proc, sink, show)) for pipe, sink in pipes if pipe is not None]
-        self.procs.append(proc)
-        self.watch(proc, main)
+        self.starting = True  # a Ctrl-C raised inside Popen would leave its new process unknown, never stopped
+        try:
+            popen = subprocess.Popen(
+                list(argv), env=env, stdin=subprocess.DEVNULL if stdin == "devnull" else subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*pass_fds, self.lifeline),
+            )  # fmt: skip
+            if stdin == "secret" and popen.stdin is not None:
+                with contextlib.suppress(BrokenPipeError):  # it exited at once: its status tells why
+                    popen.stdin.write(f"{env['PSKV_SECRET']}\n".encode())
+                    popen.stdin.flush()
+            proc = Proc(name, popen, again=lambda n: self.start(name, argv, {**env, "PSKV_RESTARTS": str(n)}, pass_fds, show, stdin, main))
+            pipes = ((popen.stdout, sys.stdout), (popen.stderr, sys.stderr))
+            proc.readers = [pump(pipe, functools.partial(self._emit, proc, sink, show)) for pipe, sink in pipes if pipe is not None]
+            self.procs.append(proc)
+            self.watch(proc, main)
+        finally:
+            self.starting = False
+        if self.deferred:  # now that the process is known, the signal stops it with the rest
+            signal.raise_signal(self.deferred)
         return proc
 
     def watch(self, process: Watched, main: bool) -> None:
@@ -213,7 +221,7 @@ class ProcessContext:
         """The worker or server that the last lines of ``failed`` name (its error: "worker 1 finished ...")."""
         for reader in getattr(failed, "readers", ()):  # its last lines, read to the end
             reader.join(timeout=1.0)
-        last = " ".join(failed.tail[-3:])
+        last = " ".join(line for line in failed.tail[-3:] if "pskv" in line)  # pskv's errors, not the program's own lines
         return next((q for q, _ in self.watched if q is not failed and q.name.startswith(("worker ", "server "))
                      and re.search(rf"\b{re.escape(q.name)}\b", last)), None)
 
@@ -385,12 +393,15 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
     ctx = backend.ctx = ProcessContext()
 
     def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:
+        if ctx.starting:  # ctx.start raises it again once its new process is watched
+            ctx.deferred = signum
+            return
         ctx.report(f"got {signal.Signals(signum).name}; stopping the job")
         ctx.stop_all()
         raise SystemExit(128 + signum)
 
     in_main_thread = threading.current_thread() is threading.main_thread()
-    old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main_thread else {}
+    old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if in_main_thread else {}
     status: Optional[int] = None
     try:
         backend.prepare()  # in here: close() removes what the backend wrote (mpi's hostfile) if it fails
@@ -407,6 +418,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         ctx.stop_all()
         if isinstance(exc, FileNotFoundError):
             raise LaunchError(f"cannot start {exc.filename}: {exc.strerror}") from None
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN):  # a huge -n
+            raise LaunchError(f"cannot start process {len(ctx.procs) + 1} of the job: {exc.strerror}; stopped the others") from None
         raise
     finally:
         for sig, handler in old.items():

@@ -3,8 +3,10 @@ job runner that drives it (run_job with a fake backend)."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -146,3 +148,53 @@ def test_run_job_dry_run_prints_the_plan_and_starts_nothing(capsys: pytest.Captu
         "worker 0: 'K=v w' prog 'a b'\n"
     )
     assert backend.calls == ["close 0"]
+
+
+def test_a_line_of_the_program_naming_another_worker_does_not_take_the_blame(capsys: pytest.CaptureFixture[str]) -> None:
+    """Worker 0 fails first (5) after printing a line of its own that names worker 1, which then fails as
+    its victim (1): the status and the report are worker 0's (only a pskv error naming a node waits for it)."""
+    ctx = ProcessContext()
+    ctx.start("worker 0", _py("import sys; print('worker 1 looks slow; giving up', flush=True); sys.exit(5)"), {}, main=True)
+    ctx.start("worker 1", _py("import time; time.sleep(1.5); raise SystemExit(1)"), {}, main=True)
+    assert ctx.wait() == 5
+    assert "worker 0 exited with status 5; stopped the other processes of the job" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP])
+def test_a_signal_while_a_process_starts_stops_that_process_too(monkeypatch: pytest.MonkeyPatch, signum: int) -> None:
+    """The signal comes inside Popen, after the fork (where Ctrl-C during a big job's start lands): the new
+    process was left running, unknown to the launcher. Now it is stopped with the rest; SIGHUP is handled too."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def popen(*args: Any, **kw: Any) -> subprocess.Popen[bytes]:
+        started.append(real(*args, **kw))
+        signal.raise_signal(signum)  # its handler runs here, before Popen returns
+        return started[-1]
+
+    real = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    backend = FakeBackend(_spec(), [Planned("worker 0", _py(SLEEP), main=True), Planned("worker 1", _py(SLEEP), main=True)])
+    try:
+        with pytest.raises(SystemExit) as exc:
+            run_job(backend.spec, backend)
+        assert exc.value.code == 128 + signum
+        assert len(started) == 1 and started[0].poll() is not None  # stopped, and worker 1 never started
+    finally:
+        for p in started:
+            p.kill()
+            p.wait()
+
+
+def test_more_processes_than_open_files_is_a_clear_error() -> None:
+    """-n 200 under a 256 open-file limit: one line naming the process that could not start (was a traceback)."""
+    import resource
+    from pathlib import Path
+
+    res = subprocess.run(
+        [sys.executable, "-m", "pskv", "launch", "-n", "200", "-s", "0", "--", "sleep", "30"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256)),
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "pskv launch: cannot start process " in res.stderr and "Too many open files; stopped the others" in res.stderr
+    assert "Traceback" not in res.stderr
