@@ -61,12 +61,20 @@ class JobEnv:
             raise ClusterError(f"DMLC_ROLE{shown}; it must be one of {', '.join(ROLES)} ({_LAUNCH})")
         if not (uri := env.get("DMLC_PS_ROOT_URI", "").strip()):
             raise ClusterError("DMLC_PS_ROOT_URI (the scheduler's address) is not set")
+        if role == "worker" and env.get("DMLC_NUM_SERVER", "").strip() == "0":  # (pskv launch -s 0 starts no scheduler)
+            raise ClusterError("the job has no servers (DMLC_NUM_SERVER=0, `pskv launch -s 0`): a dist store needs at least "
+                               "one; launch with -s 1 or more, or use a local or device store")
         port = 0 if uri.startswith("inproc://") else _int(env, "DMLC_PS_ROOT_PORT", 0)
         workers, servers = _int(env, "DMLC_NUM_WORKER", 1), _int(env, "DMLC_NUM_SERVER", 0)
         wid, sid = _int(env, "DMLC_WORKER_ID", 0, required=False), _int(env, "DMLC_SERVER_ID", 0, required=False)
         assert port is not None and workers is not None and servers is not None
         if port > 65535 or (port == 0 and role != "scheduler" and not uri.startswith("inproc://")):  # (0: the launcher's scheduler picks one)
             raise ClusterError(f"DMLC_PS_ROOT_PORT={port} is not a port to reach the scheduler at (1 to 65535)")
+        try:  # (a name that does not resolve waited PSKV_START_TIMEOUT for the scheduler)
+            if not uri.startswith("inproc://"):
+                socket.getaddrinfo(uri, port)
+        except socket.gaierror as exc:
+            raise ClusterError(f"DMLC_PS_ROOT_URI={uri!r}: cannot resolve that name ({exc.strerror})") from None
         if role == "worker" and wid is not None and wid >= workers:
             raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
         if role == "server" and sid is not None and sid >= servers:

@@ -102,7 +102,7 @@ class Van:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
             sock.close()
-            raise OSError(f"cannot listen on {endpoint}: {exc}") from exc
+            raise ClusterError(f"cannot listen on {endpoint}: {exc}") from None  # (a port in use: one line, not a traceback)
         self._router = sock
         self._poller.register(sock, zmq.POLLIN)
         self._watch(sock, "", endpoint)

@@ -32,6 +32,8 @@ def test_reads_the_contract() -> None:
         ({"DMLC_NUM_SERVER": ""}, "DMLC_NUM_SERVER is not set"),
         ({"DMLC_WORKER_ID": "3"}, "DMLC_WORKER_ID=3 but the job has DMLC_NUM_WORKER=3"),
         ({"DMLC_INTERFACE": "nosuchif0"}, "DMLC_INTERFACE='nosuchif0'"),
+        ({"DMLC_PS_ROOT_URI": "nosuchhost.invalid"}, "DMLC_PS_ROOT_URI='nosuchhost.invalid': cannot resolve"),  # these two
+        ({"DMLC_NUM_SERVER": "0"}, r"the job has no servers \(DMLC_NUM_SERVER=0"),  # waited, or blamed the launch
     ],
 )
 def test_bad_environment_names_the_variable(change: dict[str, str], match: str) -> None:

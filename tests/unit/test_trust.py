@@ -184,6 +184,18 @@ def test_without_a_secret_a_listener_off_loopback_warns_once(capfd: Any, monkeyp
         assert err.count("\n") == int(warned)
 
 
+def test_a_port_in_use_is_one_line_naming_it() -> None:
+    """A scheduler on a port in use (DMLC_PS_ROOT_PORT of another job) printed a 30-line traceback."""
+    first, second = Van("scheduler"), Van("scheduler")
+    endpoint = first.listen("tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(pskv.ClusterError, match=f"cannot listen on {endpoint}: Address already in use"):
+            second.listen(endpoint)
+    finally:
+        first.close(0)
+        second.close(0)
+
+
 def test_a_frame_over_the_limit(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker refuses to send a frame over PSKV_MAX_MESSAGE_BYTES (a clear error, the store goes on);
     a server disconnects a client that sends one, before it is read."""
