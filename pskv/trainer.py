@@ -111,6 +111,9 @@ class Trainer:
         if kv is not None and kv.type == "dist_async" and update_on_kvstore is False:
             raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
         self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))
+        if kv is not None and not self._update_on_kvstore and kv._optimizer is not None:
+            raise TrainerError("update_on_kvstore=False on a store that runs an optimizer (set_optimizer): its pulls would "
+                               "bring updated weights, not the summed gradients; give the Trainer a store without one")
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
         self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
         self._async = kv is not None and kv.type == "dist_async"

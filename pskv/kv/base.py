@@ -286,6 +286,9 @@ class KVStore:
             raise errors.OptimizerError("set_optimizer takes a pskv.optim.Optimizer "
                                         f"(pskv.optim.create(...)), got {type(optimizer).__name__}")
         self._set_optimizer_impl(optimizer)
+        if optimizer is not self._optimizer and self._optimizer is not None:  # as on the servers: the same description
+            same = self._optimizer.describe() == optimizer.describe()  # again changes nothing, another starts afresh
+            optimizer.states, optimizer.num_update = (self._optimizer.states, self._optimizer.num_update) if same else ({}, 0)
         self._optimizer = optimizer
 
     @_locked

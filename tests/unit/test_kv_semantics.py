@@ -96,6 +96,21 @@ def test_momentum_optimizer_runs_in_place_with_state(kv: KVStore) -> None:
     torch.testing.assert_close(pulled(kv, 0, torch.ones(2)), torch.full((2,), -4.25))
 
 
+def test_set_optimizer_again_keeps_or_restarts_the_states_alike_on_every_type(kv: KVStore) -> None:
+    """The same description again changes nothing; another optimizer starts afresh, also an earlier
+    object set again (local resumed its old momentum, the servers started afresh)."""
+    kv.init(0, torch.zeros(2))
+    first = pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5)
+    steps = [first, pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5), pskv.optim.create("sgd", learning_rate=1.0, momentum=0.25), first]
+    seen = []
+    for opt, grad in zip(steps, (1.0, 2.0, 4.0, 8.0)):
+        kv.set_optimizer(opt)
+        kv.push(0, torch.full((2,), grad))
+        seen.append(pulled(kv, 0, torch.ones(2))[0].item())
+    # buffers: 1 (first), 0.5 + 2 (the same description: kept), 4 (another: afresh), 8 (first again: afresh)
+    assert seen == [-1.0, -3.5, -7.5, -15.5]
+
+
 def test_pushed_tensor_is_never_modified_and_can_be_pushed_again(kv: KVStore) -> None:
     """MXNet 1.9.1 overwrote a pushed CPU array with the pulled result; pskv must not."""
     grad = torch.ones(3)

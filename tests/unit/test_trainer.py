@@ -133,6 +133,14 @@ def test_dist_async_scales_each_step_by_its_own_batch_size(inproc_job: Job, over
     assert inproc_job(1, 1).run_workers(body, "dist_async") == [[-2.0, -2.0]]  # 1 - 8/4 - 8/8
 
 
+def test_update_on_the_workers_refuses_a_store_that_runs_an_optimizer() -> None:
+    """Its pulls brought updated weights where the Trainer expected the summed gradients (no error)."""
+    kv = pskv.kv.create("local")
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.5))
+    with pytest.raises(pskv.TrainerError, match="update_on_kvstore=False on a store that runs an optimizer"):
+        pskv.Trainer([[_ones_param()], [_ones_param()]], "sgd", kvstore=kv, update_on_kvstore=False)
+
+
 def test_workers_with_different_batch_sizes_are_an_error(inproc_job: Job) -> None:
     """The servers took the scale of whichever worker's pull came first: weights changed from run to run."""
 
