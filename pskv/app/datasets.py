@@ -143,8 +143,7 @@ def _read_cifar_batch(path: Path) -> Arrays:
             raise ValueError(f"{path}: size {raw.size} bytes is not a whole number of 3073-byte records")
         records = raw.reshape(-1, 3073)
         return records[:, 1:], records[:, 0].astype(np.int64)
-    with open(path, "rb") as f:
-        # The published batches are Python 2 pickles; "bytes" keeps their str objects as bytes.
+    with open(path, "rb") as f:  # the published batches are Python 2 pickles: "bytes" keeps their str objects as bytes
         batch = _ArrayUnpickler(f, encoding="bytes").load()
     batch = batch if isinstance(batch, dict) else {}
     data = batch.get(b"data", batch.get("data"))
@@ -193,8 +192,7 @@ def _read_images(paths: list[Path]) -> Tensor:
         with Image.open(path) as image:
             images.append(torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)))
         if images[-1].shape != images[0].shape:
-            shapes = f"{path} is {tuple(images[-1].shape)} but {paths[0]} is {tuple(images[0].shape)}"
-            raise ValueError(f"{shapes}; sizes must match")
+            raise ValueError(f"{path} is {tuple(images[-1].shape)} but {paths[0]} is {tuple(images[0].shape)}; sizes must match")
     return torch.stack(images)
 
 
@@ -202,18 +200,18 @@ def load_image_folder(root: str | Path, train: bool = True) -> ArrayDataset:
     """The ``train`` or ``test`` images under ``root`` (one size, read as RGB), in a d2l tutorial layout:
     Kaggle's ``root/train/<id>.png`` with ``root/trainLabels.csv`` (a header, then ``id,label`` rows;
     test images have no published labels, so theirs are -1), or class folders ``root/train/<class>/``.
-    ``classes`` are the sorted label or folder names."""
+    ``classes`` are the sorted label or folder names; class folders' images come in a seeded shuffle."""
     base = Path(root).expanduser()
     folder = base / ("train" if train else "test")
     if not folder.is_dir():
         raise FileNotFoundError(f"no {folder.name} folder: expected {folder} with <id>.png or <class>/*.png")
     files = _images_in(folder)
     subdirs = sorted(p for p in folder.iterdir() if p.is_dir())
-    if subdirs and not files:  # class folders
-        per_class = [_images_in(subdir) for subdir in subdirs]
-        files = [path for members in per_class for path in members]
-        labels = [index for index, members in enumerate(per_class) for _ in members]
-        classes = [subdir.name for subdir in subdirs]
+    if subdirs and not files:  # class folders: indexed by train/'s and test/'s names (one index per name in both)
+        classes = sorted({p.name for split in ("train", "test") for p in (base / split).glob("*") if p.is_dir()})
+        files = [path for subdir in subdirs for path in _images_in(subdir)]  # then mixed, so each worker's part has every class
+        files = [files[i] for i in torch.randperm(len(files), generator=torch.Generator().manual_seed(0)).tolist()]
+        labels = [classes.index(path.parent.name) for path in files]
     else:  # Kaggle
         csv_path = base / "trainLabels.csv"
         if train and not csv_path.is_file():

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import sys
 import time
 from collections.abc import Sequence
@@ -78,8 +79,10 @@ def run_worker(args: argparse.Namespace) -> int:
     # 2. This worker's part of the data: worker r of W reads the r-th contiguous slice of the training
     # set, reshuffled each epoch with a seed all workers share (every worker loads the same data set).
     # When a worker is lost (pskv launch --min-workers) or back (--max-restarts), the data is shared anew.
-    train_set = datasets.get_dataset(args.dataset, args.data_dir, train=True, image_size=args.image_size)
-    test_set = datasets.get_dataset(args.dataset, args.data_dir, train=False, image_size=args.image_size)
+    try:  # a data set missing or unreadable: one line that names it, not a traceback from every worker
+        train_set, test_set = (datasets.get_dataset(args.dataset, args.data_dir, split, args.image_size) for split in (True, False))
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+        raise PSKVError(f"--dataset {args.dataset}: {exc}") from None
     train_tf, test_tf = datasets.transforms_for(args.dataset, args.image_size)
 
     def share(everyone: list[dict[str, Any]]) -> tuple[SplitSampler, range, int]:
@@ -90,7 +93,6 @@ def run_worker(args: argparse.Namespace) -> int:
 
     sampler, test_part, leader = share([{"rank": r, "since": 0} for r in range(workers)])
     steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
-    generator = torch.Generator().manual_seed(args.seed + 1000 * rank)  # augmentation differs per worker
 
     # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
     classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
@@ -136,6 +138,7 @@ def run_worker(args: argparse.Namespace) -> int:
         # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
         # sums the gradients over devices and workers and waits for the servers' new weights.
         sampler.set_epoch(epoch)
+        generator = torch.Generator().manual_seed(args.seed + 1000 * rank + 1_000_003 * epoch)  # augmentation: per worker and epoch, as a resumed run draws it
         loss_sum, correct, seen = 0.0, 0, 0
         bar = tqdm(
             datasets.batches(train_set, sampler, args.batch_size, train_tf, generator), unit="batch", leave=False,
@@ -145,8 +148,9 @@ def run_worker(args: argparse.Namespace) -> int:
         t0, exchange = time.perf_counter(), 0.0
         for i, (x, y) in enumerate(bar):
             t1, before = time.perf_counter(), (loss_sum, correct)
-            for net, xi, yi in zip(nets, *(split_and_load(t, devices, even_split=False) for t in (x, y))):
+            for net in nets:  # (all: a short last batch leaves some without rows, and no gradient to push)
                 net.zero_grad()
+            for net, xi, yi in zip(nets, *(split_and_load(t, devices[: len(x)], 0, False) for t in (x, y))):
                 with torch.autocast(xi.device.type, amp or torch.float32, enabled=amp is not None):
                     out = net(xi)
                     loss = loss_fn(out.float(), yi)
@@ -154,7 +158,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 loss_sum += loss.item()
                 correct += int((out.argmax(1) == yi).sum())
             t2 = time.perf_counter()
-            scale.step(trainer, nets[0], len(x)) if scale else trainer.step(len(x))
+            scale.step(trainer, nets[0], len(x)) if scale else trainer.step(len(x), ignore_stale_grad=True)
             t3, seen = time.perf_counter(), seen + len(x)
             exchange += t3 - t2
             bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
@@ -231,7 +235,7 @@ class LossScale:
     value, good = 2.0**16, 0
 
     def step(self, trainer: Trainer, net: nn.Module, batch: int) -> None:
-        trainer.allreduce_grads()
+        trainer.allreduce_grads(ignore_stale_grad=True)  # (a short last batch: replicas without rows)
         if bool(torch.stack([p.grad.isfinite().all() for p in net.parameters() if p.grad is not None]).all()):
             trainer.update(batch * self.value)
             self.good = (self.good + 1) % 2000
@@ -245,7 +249,6 @@ def tensorboard(path: Optional[Path]) -> Any:
     if importlib.util.find_spec("tensorboard") is None:
         raise PSKVError("--tensorboard needs the tensorboard package: pip install tensorboard (or 'pskv[tensorboard]')")
     from torch.utils.tensorboard import SummaryWriter
-
     return SummaryWriter(str(path)) if path else None
 
 

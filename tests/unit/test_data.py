@@ -307,10 +307,11 @@ def test_load_image_folder_class_folders(tmp_path: Path) -> None:
                 _png(tmp_path / split / c / f"{k}.png", _pixels(seed + k))
     train = load_image_folder(tmp_path, train=True)
     assert train.classes == ["cat", "dog"]
-    assert train.labels.tolist() == [0, 0, 0, 1, 1, 1]
-    assert np.array_equal(train.images[4].numpy(), _pixels(11))
+    assert sorted(train.labels.tolist()) == [0, 0, 0, 1, 1, 1]  # in a seeded shuffle: each worker's part has every class
+    pairs = {(bytes(image.numpy()), int(label)) for image, label in zip(train.images, train.labels)}
+    assert pairs == {(bytes(_pixels(seed + k)), c) for c, seed in ((0, 20), (1, 10)) for k in range(3)}
     test = load_image_folder(tmp_path, train=False)
-    assert test.labels.tolist() == [0, 1]
+    assert sorted(test.labels.tolist()) == [0, 1] and test.classes == train.classes
 
 
 def test_load_image_folder_errors(tmp_path: Path) -> None:

@@ -1,0 +1,80 @@
+"""pskv train in this process (--kv-store local): a resumed run with augmentation, a short last batch over
+several devices, data-set errors, and class folders (one index per class name, every class in each part)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pskv import checkpoint
+from pskv.app import train
+from pskv.app.datasets import load_image_folder
+from pskv.data import SplitSampler
+
+
+def _class_folders(root: Path, train_classes: tuple[str, ...], test_classes: tuple[str, ...], per_class: int) -> Path:
+    import matplotlib.image as mpimg
+
+    rng = np.random.default_rng(0)
+    for split, names, count in (("train", train_classes, per_class), ("test", test_classes, 2)):
+        for name in names:
+            (root / split / name).mkdir(parents=True)
+            for k in range(count):
+                mpimg.imsave(root / split / name / f"{k}.png", rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    return root
+
+
+def _args(data: Path, *more: str) -> list[str]:
+    return ["--kv-store", "local", "--model", "small_cnn", "--image-size", "16", "--dataset", "folder",
+            "--data-dir", str(data), "--no-progress", "--lr-schedule", "none", *more]  # fmt: skip
+
+
+def test_class_folders_index_test_by_the_same_names_and_mix_the_classes(tmp_path: Path) -> None:
+    root = _class_folders(tmp_path, ("cat", "dog", "frog"), ("cat", "frog"), per_class=6)
+    train_set, test_set = load_image_folder(root, train=True), load_image_folder(root, train=False)
+    assert train_set.classes == test_set.classes == ["cat", "dog", "frog"]
+    assert sorted(test_set.labels.tolist()) == [0, 0, 2, 2]  # frog is 2 in both (it was 1 in test)
+    for part in range(2):  # each worker's part of the training set has every class (was cat+dog, dog+frog)
+        assert {int(train_set.labels[i]) for i in SplitSampler(len(train_set), 2, part)} == {0, 1, 2}
+
+
+def test_resumed_run_with_augmentation_ends_with_the_weights_of_a_whole_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=8)
+    args = _args(data, "--epochs", "2", "--batch-size", "4")
+    assert train.main([*args, "--checkpoint-dir", str(tmp_path / "whole")]) == 0
+
+    save = checkpoint.save
+
+    def stopped_after_epoch_1(directory: Path, epoch: int, *rest: object, **kw: object) -> None:
+        save(directory, epoch, *rest, **kw)  # type: ignore[arg-type]
+        raise KeyboardInterrupt  # the job stopped after its first checkpoint
+
+    monkeypatch.setattr(checkpoint, "save", stopped_after_epoch_1)
+    with pytest.raises(KeyboardInterrupt):
+        train.main([*args, "--checkpoint-dir", str(tmp_path / "cut")])
+    monkeypatch.setattr(checkpoint, "save", save)
+    assert train.main([*args, "--checkpoint-dir", str(tmp_path / "cut"), "--resume"]) == 0
+    whole, resumed = (torch.load(tmp_path / run / "epoch-2" / "model.pt") for run in ("whole", "cut"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole), [k for k in whole if not torch.equal(whole[k], resumed[k])]
+
+
+def test_a_last_batch_smaller_than_the_devices_trains(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _class_folders(tmp_path, ("a", "b"), ("a", "b"), per_class=5)  # 10 images: batches of 3, 3, 3, 1
+    assert train.main(_args(data, "--epochs", "1", "--batch-size", "3", "--devices", "cpu,cpu")) == 0
+    assert "epoch 1, loss" in capsys.readouterr().out
+
+
+def test_a_data_set_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad" / "cifar-10-batches-bin").mkdir(parents=True)
+    (tmp_path / "bad" / "cifar-10-batches-bin" / "data_batch_1.bin").write_bytes(b"\0" * 3000)
+    for data_set, folder, said in (
+        ("cifar10", "empty", "pskv train: --dataset cifar10: no CIFAR-10 data_batch_1..data_batch_5"),
+        ("cifar10", "bad", "data_batch_1.bin: size 3000 bytes is not a whole number of 3073-byte records"),
+        ("folder", "empty", f"pskv train: --dataset folder: no train folder: expected {tmp_path / 'empty' / 'train'}"),
+    ):
+        assert train.main(["--kv-store", "local", "--dataset", data_set, "--data-dir", str(tmp_path / folder)]) == 2
+        assert said in capsys.readouterr().err
