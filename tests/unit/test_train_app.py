@@ -78,3 +78,21 @@ def test_a_data_set_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path, ca
     ):
         assert train.main(["--kv-store", "local", "--dataset", data_set, "--data-dir", str(tmp_path / folder)]) == 2
         assert said in capsys.readouterr().err
+
+
+def test_a_test_set_without_labels_reports_no_accuracy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Kaggle's layout: the test images have no labels (-1); they were counted as wrong (test acc 0.0000)."""
+    import json
+    import math
+
+    import matplotlib.image as mpimg
+
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 8), ("test", 4)):
+        (tmp_path / split).mkdir()
+        for i in range(1, count + 1):
+            mpimg.imsave(tmp_path / split / f"{i}.png", rng.integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    (tmp_path / "trainLabels.csv").write_text("id,label\n" + "".join(f"{i},{'ab'[i % 2]}\n" for i in range(1, 9)))
+    assert train.main(_args(tmp_path, "--epochs", "1", "--batch-size", "4", "--report", str(tmp_path / "r.json"))) == 0
+    assert "test acc nan" in capsys.readouterr().out
+    assert math.isnan(json.loads((tmp_path / "r.json").read_text())["final"]["test_acc"])
