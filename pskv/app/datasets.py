@@ -199,19 +199,19 @@ def _read_images(paths: list[Path]) -> Tensor:
 def load_image_folder(root: str | Path, train: bool = True) -> ArrayDataset:
     """The ``train`` or ``test`` images under ``root`` (one size, read as RGB), in a d2l tutorial layout:
     Kaggle's ``root/train/<id>.png`` with ``root/trainLabels.csv`` (a header, then ``id,label`` rows;
-    test images have no published labels, so theirs are -1), or class folders ``root/train/<class>/``.
-    ``classes`` are the sorted label or folder names; class folders' images come in a seeded shuffle."""
+    test images have no published labels, so theirs are -1), or class folders ``root/train/<class>/``. ``classes``
+    are the sorted label or train/ folder names (else -1); class folders' images come in a seeded shuffle."""
     base = Path(root).expanduser()
     folder = base / ("train" if train else "test")
     if not folder.is_dir():
         raise FileNotFoundError(f"no {folder.name} folder: expected {folder} with <id>.png or <class>/*.png")
     files = _images_in(folder)
     subdirs = sorted(p for p in folder.iterdir() if p.is_dir())
-    if subdirs and not files:  # class folders: indexed by train/'s and test/'s names (one index per name in both)
-        classes = sorted({p.name for split in ("train", "test") for p in (base / split).glob("*") if p.is_dir()})
+    if subdirs and not files:  # class folders, indexed by train/'s names in both splits (test/'s others, d2l's unknown/: -1)
+        classes = sorted(p.name for p in (base / "train").glob("*") if p.is_dir())
         files = [path for subdir in subdirs for path in _images_in(subdir)]  # then mixed, so each worker's part has every class
         files = [files[i] for i in torch.randperm(len(files), generator=torch.Generator().manual_seed(0)).tolist()]
-        labels = [classes.index(path.parent.name) for path in files]
+        labels = [classes.index(path.parent.name) if path.parent.name in classes else -1 for path in files]
     else:  # Kaggle
         csv_path = base / "trainLabels.csv"
         if train and not csv_path.is_file():

@@ -89,6 +89,7 @@ class KVStore:
         self._keys: dict[Key, KeyMeta] = {}
         self._key_kind: Optional[builtins.type] = None
         self._optimizer: Optional[Optimizer] = None
+        self._described: Optional[dict[str, Any]] = None  # the optimizer's description as last set (what the servers run)
         self._compressor: Optional[Compressor] = None
         self._closed = False
         self._lock = threading.RLock()
@@ -286,10 +287,11 @@ class KVStore:
             raise errors.OptimizerError("set_optimizer takes a pskv.optim.Optimizer "
                                         f"(pskv.optim.create(...)), got {type(optimizer).__name__}")
         self._set_optimizer_impl(optimizer)
+        desc = optimizer.describe()
         if optimizer is not self._optimizer and self._optimizer is not None:  # as on the servers: the same description
-            same = self._optimizer.describe() == optimizer.describe()  # again changes nothing, another starts afresh
+            same = self._described == desc  # (as last set, not as changed since) again changes nothing, another starts afresh
             optimizer.states, optimizer.num_update = (self._optimizer.states, self._optimizer.num_update) if same else ({}, 0)
-        self._optimizer = optimizer
+        self._optimizer, self._described = optimizer, desc
 
     @_locked
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
@@ -314,6 +316,7 @@ class KVStore:
                                         f"optimizer is {self._optimizer.name!r}")
         optimizer = self._optimizer or Optimizer.from_description(desc)
         self._load_optimizer_state(state, optimizer)
+        self._described = self._described or optimizer.describe()
         self._optimizer = optimizer
 
     @_locked

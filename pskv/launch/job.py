@@ -401,7 +401,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         raise SystemExit(128 + signum)
 
     in_main_thread = threading.current_thread() is threading.main_thread()
-    old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)} if in_main_thread else {}
+    hup = () if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else (signal.SIGHUP,)  # (ignored: nohup, which must keep the job)
+    old = {sig: signal.signal(sig, stop_on_signal) for sig in (signal.SIGINT, signal.SIGTERM, *hup)} if in_main_thread else {}
     status: Optional[int] = None
     try:
         backend.prepare()  # in here: close() removes what the backend wrote (mpi's hostfile) if it fails

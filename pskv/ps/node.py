@@ -74,7 +74,8 @@ class JobEnv:
             if not uri.startswith("inproc://"):
                 socket.getaddrinfo(uri, port)
         except socket.gaierror as exc:
-            raise ClusterError(f"DMLC_PS_ROOT_URI={uri!r}: cannot resolve that name ({exc.strerror})") from None
+            if exc.errno == socket.EAI_NONAME:  # (not a DNS server that failed for now: zmq tries again)
+                raise ClusterError(f"DMLC_PS_ROOT_URI={uri!r}: cannot resolve that name ({exc.strerror})") from None
         if role == "worker" and wid is not None and wid >= workers:
             raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
         if role == "server" and sid is not None and sid >= servers:

@@ -638,3 +638,22 @@ def test_a_second_push_without_waiting_does_not_wait_for_the_first_through_share
         return [*seen, out[0].item()]
 
     assert inproc_job(2, 1, tcp=True).run_workers(body, timeout=60) == [[33.0, 1.0]] * 2
+
+
+def test_a_scheduler_without_servers_is_said_by_the_worker() -> None:
+    """The scheduler has DMLC_NUM_SERVER=0, the worker's environment another number (JobEnv's check of
+    DMLC_NUM_SERVER=0 does not see it): the store says the job has no servers (was a ValueError at init)."""
+    from pskv.kv.dist import DistStore
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    uri = "inproc://pskv-no-servers"
+    scheduler = Scheduler(JobEnv("scheduler", uri, 0, num_workers=1, num_servers=0))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(pskv.ClusterError, match="this job has no servers"):
+            DistStore("dist_sync", JobEnv("worker", uri, 0, num_workers=1, num_servers=1, worker_id=0))
+    finally:
+        scheduler.status = 0  # (its loop ends)
+        thread.join(timeout=10)

@@ -111,6 +111,20 @@ def test_set_optimizer_again_keeps_or_restarts_the_states_alike_on_every_type(kv
     assert seen == [-1.0, -3.5, -7.5, -15.5]
 
 
+def test_set_optimizer_again_compares_with_the_description_last_set(kv: KVStore) -> None:
+    """An optimizer changed since it was set (not set again: the servers still run what they were sent),
+    then another one like it as changed: another optimizer, so afresh on every type (local kept the
+    old momentum: it compared with the changed object)."""
+    kv.init(0, torch.zeros(2))
+    first = pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5)
+    kv.set_optimizer(first)
+    kv.push(0, torch.full((2,), 1.0))
+    first.set_learning_rate(2.0)
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=2.0, momentum=0.5))
+    kv.push(0, torch.full((2,), 2.0))
+    assert pulled(kv, 0, torch.ones(2))[0].item() == -1.0 - 2.0 * 2.0  # buffer 2: afresh
+
+
 def test_pushed_tensor_is_never_modified_and_can_be_pushed_again(kv: KVStore) -> None:
     """MXNet 1.9.1 overwrote a pushed CPU array with the pulled result; pskv must not."""
     grad = torch.ones(3)

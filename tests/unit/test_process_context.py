@@ -185,6 +185,21 @@ def test_a_signal_while_a_process_starts_stops_that_process_too(monkeypatch: pyt
             p.wait()
 
 
+def test_a_launcher_started_with_nohup_keeps_the_job_when_the_terminal_goes() -> None:
+    """nohup sets SIGHUP to SIG_IGN: the launcher must leave it so (it stopped the job, status 129)."""
+    import os
+    import time
+    from pathlib import Path
+
+    cmd = [sys.executable, "-m", "pskv", "launch", "-n", "1", "-s", "0", "--", *_py("import time; time.sleep(3); print('done')")]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).resolve().parents[2],
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # fmt: skip
+    time.sleep(1.5)
+    os.kill(p.pid, signal.SIGHUP)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0 and "done" in out, out
+
+
 def test_more_processes_than_open_files_is_a_clear_error() -> None:
     """-n 200 under a 256 open-file limit: one line naming the process that could not start (was a traceback)."""
     import resource

@@ -33,10 +33,10 @@ def _args(data: Path, *more: str) -> list[str]:
 
 
 def test_class_folders_index_test_by_the_same_names_and_mix_the_classes(tmp_path: Path) -> None:
-    root = _class_folders(tmp_path, ("cat", "dog", "frog"), ("cat", "frog"), per_class=6)
+    root = _class_folders(tmp_path, ("cat", "dog", "frog"), ("cat", "frog", "unknown"), per_class=6)
     train_set, test_set = load_image_folder(root, train=True), load_image_folder(root, train=False)
     assert train_set.classes == test_set.classes == ["cat", "dog", "frog"]
-    assert sorted(test_set.labels.tolist()) == [0, 0, 2, 2]  # frog is 2 in both (it was 1 in test)
+    assert sorted(test_set.labels.tolist()) == [-1, -1, 0, 0, 2, 2]  # frog is 2 in both (it was 1 in test); d2l's unknown/: no label
     for part in range(2):  # each worker's part of the training set has every class (was cat+dog, dog+frog)
         assert {int(train_set.labels[i]) for i in SplitSampler(len(train_set), 2, part)} == {0, 1, 2}
 
