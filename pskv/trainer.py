@@ -123,8 +123,10 @@ class Trainer:
             self._keys = _own_keys(kv, self._keys)
             kv.init(self._keys, [t.detach() for t in self._reps[0]])
             self.pull_weights()  # worker 0's, everywhere
-            if self._update_on_kvstore:
+            if self._update_on_kvstore and not self._async:
                 kv.set_optimizer(optimizer)
+            elif self._update_on_kvstore:  # dist_async: the first step sends it, with its 1/batch_size (sent now, it reset
+                self._sent_scale = float("nan")  # the states and scale of servers that another worker's steps had set)
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -131,6 +131,35 @@ def test_dist_async_scales_each_step_by_its_own_batch_size(inproc_job: Job, over
         return w.tolist()
 
     assert inproc_job(1, 1).run_workers(body, "dist_async") == [[-2.0, -2.0]]  # 1 - 8/4 - 8/8
+
+
+def test_a_trainer_made_late_on_dist_async_keeps_the_servers_optimizer(inproc_job: Job) -> None:
+    """Worker 1 makes its Trainer after worker 0's steps: its optimizer (rescale 1, no states yet) replaced the
+    servers' (rescale 1/4, momentum buffers), so worker 0's next step took a fresh buffer at 4 x the scale."""
+    import threading
+    import time
+
+    made_late = threading.Event()
+
+    def body(kv: KVStore) -> Optional[list[float]]:
+        w = _ones_param(4)
+        if kv.rank == 1:
+            made_late.wait(30)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv)
+        if kv.rank == 1:
+            return None
+        seen = []
+        for step in range(3):
+            if step == 2:
+                made_late.set()
+                time.sleep(1.0)  # (worker 1's Trainer is made meanwhile)
+            w.grad = torch.full((4,), 4.0)
+            tr.step(4)  # g / 4 = 1: buffers 1, 1.5, 1.75
+            tr.synchronize()
+            seen.append(w[0].item())
+        return seen
+
+    assert inproc_job(2, 1).run_workers(body, "dist_async")[0] == [0.0, -1.5, -3.25]
 
 
 def test_update_on_the_workers_refuses_a_store_that_runs_an_optimizer() -> None:
