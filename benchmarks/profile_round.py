@@ -52,12 +52,13 @@ def main() -> int:
     spans = sorted((e["ts"] / 1e6, e["dur"] / 1e6, names.get(e["pid"], "?"), e["name"]) for e in events if e["ph"] == "X")
     rounds = [(t, d) for t, d, who, what in spans if who == "worker 0" and what == "round"][3:]
     a, length = sorted(rounds, key=lambda r: r[1])[len(rounds) // 2]
-    print(f"median round: {1000 * length:.1f} ms; every span in it, from its start:")
+    median = statistics.median(d for _, d in rounds)
+    print(f"median round: {1000 * length:.1f} ms (rounds: {1000 * median:.1f} ms median); every span in it, from its start:")
     for t, d, who, what in spans:
         if a - 0.0005 <= t <= a + length:
             print(f"{1000 * (t - a):8.2f} ms  {1000 * d:7.2f} ms  {who:9} {what}")
     n = int(args.size_mb * 1e6 / 4) if args.size_mb else sum(math.prod(s) for s in parameter_shapes("resnet18"))
-    memcpy_bound(n, args.workers, statistics.median(d for _, d in rounds))
+    memcpy_bound(n, args.workers, median)
     return 0
 
 

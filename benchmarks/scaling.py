@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Table 2: round time for W in {1, 2, 4} workers, S in {1, 2} servers, payloads of 4, 44.7 and 100 MB.
+"""Table 2: round time for W in {1, 2, 4} workers, S in {1, 2} servers, payloads of 4, 44.7 and 102 MB.
 
 Every cell is one ``pskv bench`` run (shared memory, dist_sync); the gloo all_reduce of the same
 arrays with W processes is measured once per (W, payload), in the same invocation.

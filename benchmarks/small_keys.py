@@ -40,6 +40,8 @@ def worker(args: argparse.Namespace) -> None:
     for rnd in range(args.rounds + 1):  # round 0 warms up
         for mode in times:
             grads = [torch.full((4,), float(kv.rank + 1 + k + rnd)) for k in keys]
+            for o in outs:  # every mode of a round expects the same values: each must write them itself
+                o.fill_(float("nan"))
             kv.barrier()
             t0 = time.perf_counter()
             if mode == "blocking":

@@ -16,8 +16,9 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``torch opt``: ``pskv.DistributedOptimizer`` around the same ``torch.optim.SGD`` under ``pskv launch``
   (the servers sum, the optimizer runs on each worker), beside the pskv Trainer's row.
 
-For each: samples/s (all workers), ms per step, and for pskv the time exposed after backward
-(``step`` plus the waits before each layer's forward, from the Trainer's timeline spans).
+For each: samples/s (all workers), ms per step, and for the Trainer's rows the time exposed after
+backward (``after bwd``: ``trainer.step`` once backward is done; the next forward's waits for weights
+are not in it: the JSON has them apart, ``waits_per_step_s``, from the Trainer's timeline spans).
 
     python benchmarks/train_step.py --device cuda --batch 128 [-n 2 -s 2] [--steps 30]
     python benchmarks/train_step.py --device cpu --batch 16 --steps 5      # a quick check of the script
@@ -122,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     if trainer is not None:
         trainer.synchronize()
     result = {"step_s": sorted(times)[len(times) // 2], "world": world}
-    if exposed:  # step() after backward, plus the next forward's waits for weights (timeline spans)
+    if exposed:  # step() after backward (the next forward's waits for weights are waits_per_step_s)
         result["after_backward_s"] = sorted(exposed)[len(exposed) // 2]
     if timeline.on:
         waits = [e["dur"] / 1e6 for e in timeline._events if e.get("ph") == "X" and e["name"].startswith("wait ")]
