@@ -174,12 +174,14 @@ def test_a_signal_while_a_process_starts_stops_that_process_too(monkeypatch: pyt
     real = subprocess.Popen
     monkeypatch.setattr(subprocess, "Popen", popen)
     backend = FakeBackend(_spec(), [Planned("worker 0", _py(SLEEP), main=True), Planned("worker 1", _py(SLEEP), main=True)])
+    before = signal.signal(signum, signal.SIG_DFL)  # as from a terminal (under nohup the launcher leaves SIGHUP ignored)
     try:
         with pytest.raises(SystemExit) as exc:
             run_job(backend.spec, backend)
         assert exc.value.code == 128 + signum
         assert len(started) == 1 and started[0].poll() is not None  # stopped, and worker 1 never started
     finally:
+        signal.signal(signum, before)
         for p in started:
             p.kill()
             p.wait()
