@@ -100,15 +100,16 @@ class Trainer:
         elif kvstore is not None and not isinstance(kvstore, KVStore):
             raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
         kv = self._kv = kvstore
+        self._async = kv is not None and kv.type == "dist_async"
         sharing = [t._update_on_kvstore for t in kv.__dict__.get("_trainers", ())] if kv is not None else []  # of those on it
-        if sharing and (update_on_kvstore or any(sharing) or kv.type == "dist_async"):  # type: ignore[union-attr]
+        if sharing and (update_on_kvstore or any(sharing) or self._async):
             raise TrainerError("a second Trainer on this store: a store runs one optimizer, for every key, so Trainers that "
                                "share one all pass update_on_kvstore=False (each updates its own parameters; the store "
                                "sums; not on dist_async), or one Trainer takes every parameter")
         update_on_kvstore = False if sharing else update_on_kvstore
         if kv is None and update_on_kvstore:
             raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
-        if kv is not None and kv.type == "dist_async" and update_on_kvstore is False:
+        if self._async and update_on_kvstore is False:
             raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
         self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))
         if kv is not None and not self._update_on_kvstore and kv._optimizer is not None:
@@ -116,7 +117,6 @@ class Trainer:
                                "bring updated weights, not the summed gradients; give the Trainer a store without one")
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
         self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
-        self._async = kv is not None and kv.type == "dist_async"
         if kv is not None:
             if compression_params:
                 kv.set_gradient_compression(compression_params)
