@@ -219,7 +219,7 @@ def run_worker(args: argparse.Namespace) -> int:
                 "final": {**final, "seconds": seconds, "samples_per_sec": rate},
             }  # fmt: skip
             args.report.parent.mkdir(parents=True, exist_ok=True)
-            args.report.write_text(json.dumps(report, indent=2) + "\n")
+            args.report.write_text(json.dumps(report, indent=2).replace("NaN", "null") + "\n")  # (NaN is not JSON; no free text in it)
         if args.plot:
             plot(history, args.plot, f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})")
     board.close() if board else None
