@@ -317,7 +317,6 @@ class Backend:
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
-        self.scheduler_env: dict[str, str] = {}
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         """The processes to start here, once the scheduler listens on ``port``."""
@@ -436,7 +435,7 @@ def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int
     (``PSKV_PORT_FD``). :class:`LaunchError` if it exits first or takes over ``PSKV_START_TIMEOUT``."""
     # the port comes first on the pipe; "started" next, once every node registered (run_job closes it)
     ctx.started_fd, write_fd = os.pipe()
-    env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **backend.scheduler_env, **spec.secret_env()}
+    env = {**spec.process_env("scheduler", backend.address, 0, base=spec.environ), **spec.secret_env()}
     env["PSKV_PORT_FD"] = str(write_fd)
     guard = [sys.executable, "-m", "pskv.launch.guard", "--watch-stdin", "--"] if backend.guarded else []
     try:

@@ -427,6 +427,7 @@ def test_sge_dry_run_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
                 env[k] = shlex.split(v)[0]
         envs[f"{role} 0"] = env
         assert env["DMLC_PS_ROOT_URI"] == "10.3.3.3" and "PSKV_SECRET" not in env
+        assert env["PSKV_START_TIMEOUT"] == "3600"  # a task may wait that long for the other array, still queued
         assert env.pop("PSKV_SECRET_FILE").endswith("/secret")  # a 0600 file in the job's private directory
         exec_line = shlex.split(next(line for line in script.splitlines() if line.startswith("exec ")))
         guard = exec_line[1 : exec_line.index("--")]
