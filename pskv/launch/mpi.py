@@ -27,6 +27,8 @@ class Mpi(Backend):
         for h in spec.hosts:
             if h.port is not None:
                 raise LaunchError(f"hostfile entry {h}: mpirun cannot take an ssh port per host; set it in ~/.ssh/config instead")
+        if spec.sync_dst_dir and not os.path.isabs(spec.sync_dst_dir):
+            raise LaunchError(f"--sync-dst-dir {spec.sync_dst_dir}: the mpi launcher needs an absolute path (rsync copies a relative one to the remote home, mpirun --wdir looks for it here)")
         self.address = scheduler_address(spec.environ, [h.name.rpartition("@")[2] for h in spec.hosts])
         self.title = f"pskv launch --launcher mpi ({'mpich' if self.mpich else 'openmpi'})"
         self.hostfile: Optional[str] = None  # MPICH's, with every process's host in rank order

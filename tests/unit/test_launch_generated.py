@@ -346,6 +346,9 @@ def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pyte
         assert ctx[ctx.index("--") + 1 :] == (["python3", "-m", "pskv", "serve"] if role == "server" else ["python3", "train.py"])
     _check_roles(envs)
     assert "DMLC_WORKER_ID" not in envs["worker 0"]  # the guard sets it from the MPI rank
+    # rsync copies a relative --sync-dst-dir to the remote home, but mpirun's --wdir looks for it here
+    code, _, err = _cli(["launch", "--launcher", "mpi", "-n", "1", "-H", "hosts", "--sync-dst-dir", "job", "--dry-run", "--", "t"], capsys)
+    assert code == 2 and "--sync-dst-dir job: the mpi launcher needs an absolute path" in err, err
 
 
 def test_mpi_without_hostfile_leaves_placement_to_mpirun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
