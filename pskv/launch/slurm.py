@@ -71,8 +71,8 @@ class Sbatch(Backend):
         inner += ["--timeout", f"{spec.timeout:g}"] if spec.timeout is not None else []
         for flag, env in (("--env", spec.env), ("--env-server", spec.role_env["server"]), ("--env-worker", spec.role_env["worker"])):
             inner += [a for k, v in env.items() for a in (flag, f"{k}:{v}")]
-        lines = ["#!/bin/sh", f"#SBATCH --job-name={spec.name}", f"#SBATCH --ntasks={spec.num_workers + spec.num_servers}"]
-        lines.append(f"#SBATCH --output={self.spool.path('job.out')}")
+        lines = ["#!/bin/sh", f"#SBATCH --job-name={shlex.quote(spec.name)}", f"#SBATCH --ntasks={spec.num_workers + spec.num_servers}"]
+        lines.append(f"#SBATCH --output={shlex.quote(self.spool.path('job.out'))}")
         if spec.hosts:
             lines += [f"#SBATCH --nodes={len(spec.hosts)}", f"#SBATCH --nodelist={','.join(h.name for h in spec.hosts)}"]
         if spec.timeout is not None:

@@ -365,7 +365,8 @@ def test_slurm_dry_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys:
     _tool(tmp_path / "bin", "srun", "exit 0\n")
     _tool(tmp_path / "bin", "sbatch", "exit 0\n")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my job").mkdir()
+    monkeypatch.chdir(tmp_path / "my job")  # a space in the path of the batch job's output
     for k in [k for k in os.environ if k.startswith("SLURM_")]:
         monkeypatch.delenv(k)
     # outside an allocation: the batch script runs this launcher again inside the job
@@ -376,6 +377,8 @@ def test_slurm_dry_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys:
     )  # fmt: skip
     assert code == 0
     assert "#SBATCH --job-name=jb\n#SBATCH --ntasks=5\n" in out and "#SBATCH --time=3\n" in out
+    output = next(line for line in out.splitlines() if line.startswith("#SBATCH --output="))
+    assert shlex.split(output[17:])[0].startswith(f"{tmp_path}/my job/.pskv-slurm-")  # quoted: sbatch splits at spaces
     inner = shlex.split(next(line for line in out.splitlines() if line.startswith("exec "))[5:])
     assert inner[:12] == ["python3", "-m", "pskv", "launch", "--launcher", "slurm", "-n", "3", "-s", "2", "--python", "python3"]
     assert inner[inner.index("--") + 1 :] == ["python3", "train.py", "--lr", "0.1"]
@@ -383,7 +386,7 @@ def test_slurm_dry_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys:
         assert inner[inner.index(flag) + 1] == value
     submit = shlex.split(out.split("# submit\n")[1].splitlines()[0])
     assert submit[1:6] == ["--wait", "--parsable", "--overcommit", "--partition", "p"]
-    assert not list(tmp_path.glob(".pskv-slurm-*"))
+    assert not list((tmp_path / "my job").glob(".pskv-slurm-*"))
     # inside an allocation: one srun step per role, the environment in srun's own
     monkeypatch.setenv("SLURM_JOB_ID", "77")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "localhost")
