@@ -30,6 +30,7 @@ from .spec import SERVE, JobSpec
 
 Show = Literal["prefix", "raw", "tail"]
 Stdin = Literal["devnull", "pipe", "secret"]  # secret: a pipe whose first line is the env's PSKV_SECRET
+QUEUE_START_TIMEOUT = "3600"  # PSKV_START_TIMEOUT where a cluster may queue some of the job's processes
 
 
 class Watched(Protocol):
@@ -314,9 +315,12 @@ class Backend:
     scheduler_show: Show = "prefix"
     slack = 0.0  # seconds added to --timeout (time in a queue)
     ctx: Optional[ProcessContext] = None  # the job's processes, once run_job has started
+    queued = False  # the cluster may queue some processes while others run (sge, yarn, kubernetes)
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
+        if self.queued and not spec.environ.get("PSKV_START_TIMEOUT"):  # every process waits for those still queued
+            spec.env.setdefault("PSKV_START_TIMEOUT", QUEUE_START_TIMEOUT)
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         """The processes to start here, once the scheduler listens on ``port``."""
@@ -353,6 +357,7 @@ class Document(Backend):
     launcher = tool = hint = ""  # its name, the cluster tool (its path once prepared), and what to do without it
     text = written = success = ""  # the document; the reports once written to --output, once submitted
     command: list[str]  # the submission, as a user would type it
+    queued = True
 
     def plan(self, port: Optional[int]) -> str:
         secret = self.spec.secret

@@ -14,8 +14,6 @@ from ..errors import LaunchError
 from .job import Backend, ProcessContext, Spool, require_tool, run_quiet, write_private
 from .spec import JobSpec, export_lines, scheduler_address
 
-#: how long the scheduler and every task wait for tasks still queued to register, unless PSKV_START_TIMEOUT says
-QUEUE_START_TIMEOUT = "3600"
 #: seconds a task may lack a status file after its job left qstat (shared file systems lag)
 STATUS_GRACE = 10.0
 
@@ -47,12 +45,12 @@ class Task:
 
 
 class Sge(Backend):
+    queued = True
+
     def __init__(self, spec: JobSpec):
         super().__init__(spec)
         self.qsub = require_tool("qsub", "sge", "run it on a Grid Engine submit host")
         self.address = scheduler_address(spec.environ)
-        if not spec.environ.get("PSKV_START_TIMEOUT"):  # (the servers too: the workers' array may still be queued)
-            spec.env.setdefault("PSKV_START_TIMEOUT", QUEUE_START_TIMEOUT)
         self.spool = Spool(".pskv-sge-", "*.o*")
         self.title = f"pskv launch --launcher sge: {spec.num_servers} server(s), {spec.num_workers} worker(s)"
         self.ids: dict[str, str] = {}  # role -> its array job's id

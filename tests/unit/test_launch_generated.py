@@ -26,7 +26,7 @@ from pskv.errors import LaunchError
 from pskv.launch import parse_env_specs
 from pskv.launch.guard import GuardError, child_env, rank_from
 from pskv.launch.job import ProcessContext, Spool
-from pskv.launch.kubernetes import manifests
+from pskv.launch.kubernetes import Kubernetes, manifests
 from pskv.launch.spec import (
     Host,
     JobSpec,
@@ -488,6 +488,7 @@ def test_yarn_service_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps
         envs[f"{role} 0"] = env
         assert env["DMLC_PS_ROOT_URI"] == SCHEDULER_DNS == "scheduler-0.${SERVICE_NAME}.${USER}.${DOMAIN}"
         assert env["PSKV_RANK"] == "${COMPONENT_ID}" and env["PSKV_TIMEOUT"] == "77"
+        assert env["PSKV_START_TIMEOUT"] == sched["PSKV_START_TIMEOUT"] == "3600"  # containers may wait in YARN's queue
         argv = shlex.split(comp["launch_command"])
         assert argv[: argv.index("--")] == ["python3", "-m", "pskv.launch.guard", "--rank-from", "PSKV_RANK"]
         assert argv[argv.index("--") + 1 :] == cmd
@@ -498,6 +499,9 @@ def test_yarn_service_spec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caps
     assert "artifact" not in comps["worker"]
     docker = yarn_service(_spec(image="reg/img:1", command=["python3", "x.py"]))
     assert all(c["artifact"] == {"id": "reg/img:1", "type": "DOCKER"} for c in docker["components"])
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "50")  # the user's own wins
+    assert _cli(["launch", "--launcher", "yarn", "-n", "1", "-s", "1", "--output", str(out_file), "--", "python3", "x.py"], capsys)[0] == 0
+    assert {c["configuration"]["env"]["PSKV_START_TIMEOUT"] for c in json.loads(out_file.read_text())["components"]} == {"50"}
 
 
 def test_yarn_submission_needs_yarn_or_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -570,6 +574,7 @@ def test_kubernetes_manifests(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         env = _env_of(c)
         assert env["DMLC_PS_ROOT_URI"] == "jb-scheduler" and env["DMLC_PS_ROOT_PORT"] == "9500"
         assert env["DMLC_NODE_HOST"] == pod_ip and env["PSKV_SECRET"] == from_secret
+        assert env["PSKV_START_TIMEOUT"] == sched_env["PSKV_START_TIMEOUT"] == "3600"  # pods may wait for a node, an image
         envs[f"{role} 0"] = env
     _check_roles(envs)
 
@@ -579,7 +584,8 @@ def test_kubernetes_yaml_file_and_dry_run_are_the_json_document(tmp_path: Path, 
     tricky = 'a "quoted": value\nnext line # not a comment'
     monkeypatch.setenv("PSKV_TRICKY", tricky)
     monkeypatch.setenv("PSKV_SECRET", "given-secret-0123456789")  # every spec below uses it
-    items = manifests(_spec(image="img", name="jb", env={"PSKV_TRICKY": tricky, "EMPTY": ""}, environ=dict(os.environ), role_env={"server": {}, "worker": {}}))
+    spec = _spec(image="img", name="jb", env={"PSKV_TRICKY": tricky, "EMPTY": ""}, environ=dict(os.environ), role_env={"server": {}, "worker": {}})
+    items = json.loads(Kubernetes(spec).text)["items"]
     argv = ["launch", "--launcher", "kubernetes", "-n", "3", "-s", "2", "--image", "img", "--job-name", "jb",
             "--env", "PSKV_TRICKY", "--env", "EMPTY:", "--", "python3", "train.py"]  # fmt: skip
     code, _, _ = _cli([*argv[:-3], "--output", str(tmp_path / "job.yaml"), *argv[-3:]], capsys)
