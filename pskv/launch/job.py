@@ -392,6 +392,9 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
             note = f"scheduler here, bound to {backend.address} (its port replaces DMLC_PS_ROOT_PORT=0 below)\n" if here else ""
             print(f"# {backend.title}\n{note}{backend.plan(0 if here else None).rstrip()}", flush=True)
             return 0
+        except BrokenPipeError:  # `--dry-run | head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (else the exit's flush fails again)
+            return 0
         finally:
             backend.close(0)
     ctx = backend.ctx = ProcessContext()

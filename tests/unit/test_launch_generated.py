@@ -279,6 +279,17 @@ def test_ssh_dry_run_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, c
     assert "rsync -a --mkpath -e 'ssh -F /cfg -o BatchMode=yes -o ConnectTimeout=10 -T -p 2222' ./ h2:/dst/" in out
 
 
+def test_a_dry_run_into_a_reader_that_stops_early_is_no_traceback(tmp_path: Path) -> None:
+    """`pskv launch --dry-run | head`: the reader closes the pipe; that was a BrokenPipeError traceback and status 1."""
+    (tmp_path / "hosts").write_text("localhost\n")
+    argv = ["launch", "-H", str(tmp_path / "hosts"), "-n", "500", "-s", "500", "--dry-run", "--", "python3", "x.py"]
+    proc = subprocess.Popen([sys.executable, "-m", "pskv", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().startswith("# pskv launch --launcher ssh")
+    proc.stdout.close()  # (the plan is some 200 KB: more than the pipe holds)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
 def test_mpi_dry_run_mpmd_command(flavor: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     version = "mpirun (Open MPI) 4.1.4" if flavor == "openmpi" else "HYDRA build details:\n    Version: 4.1"
