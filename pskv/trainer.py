@@ -147,6 +147,7 @@ class Trainer:
         # child they do not call (MultiheadAttention its out_proj's): later forwards wait for those too
         self._called: Optional[dict[int, torch.nn.Module]] = {} if self._overlap else None
         self._reads: dict[int, list[int]] = {}
+        self._eager: list[int] = []  # keys no module's forward waits for (plain tensors, .forward() calls): step does
         self._queued, self._after_backward = False, cast(Optional[Callable[[], None]], None)
         if self._overlap:
             self._arm()
@@ -310,11 +311,14 @@ class Trainer:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)
-        called, self._called = self._called or {}, None
+        called, first, self._called = self._called or {}, self._called is not None, None
         for m in called.values():
             for child in m.children():
                 if id(child) not in called:
                     self._reads.setdefault(id(m), []).extend(i for t in child.parameters() if (i := self._where.get(id(t))) is not None)
+        if first:
+            waited = {self._where.get(id(t)) for m in called.values() for t in m._parameters.values()}.union(*self._reads.values())
+            self._eager = [i for i in range(len(self._keys)) if i not in waited]
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
@@ -341,6 +345,9 @@ class Trainer:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
         self._next_step()
+        for i in self._eager:
+            if i in self._inflight:
+                self._inflight.pop(i).wait()
         timeline.span("step", t0)
 
     def allreduce_grads(self, ignore_stale_grad: bool = False) -> None:

@@ -654,3 +654,29 @@ def test_an_eval_forward_waits_for_every_parameter_below_it(inproc_job: Job, mon
 
     seen = inproc_job(1, 1).run_workers(body)[0]
     assert seen[-1] == [], seen[-1]
+
+
+@pytest.mark.parametrize("how", ["plain tensors", "module.forward()"])
+def test_overlap_waits_for_parameters_no_module_call_reads(inproc_job: Job, how: str) -> None:
+    """Tensors used outside any module, or a model run by ``net.forward(x)`` (no pre-hook runs):
+    no forward waited for their pulls, so the next step computed with the weights before the
+    last update (and the late answers landed at some later wait). Step now waits for those."""
+
+    def body(kv: KVStore, overlap: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv, overlap=overlap)
+        w, b = net[2].weight, net[2].bias
+        for step in range(4):
+            net.zero_grad()
+            x = torch.full((3, 4), step + 1.0)
+            out = net[2].forward(net[1](net[0].forward(x))) if how == "module.forward()" else torch.tanh(x @ net[0].weight.T + net[0].bias) @ w.T + b
+            out.square().sum().backward()
+            tr.step(3)
+        tr.synchronize()
+        return [p.detach().clone() for p in net.parameters()]
+
+    plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
+    overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
+    for a, b in zip(plain, overlapped):
+        assert torch.equal(a, b), (a - b).abs().max()
