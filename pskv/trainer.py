@@ -133,6 +133,7 @@ class Trainer:
         self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
         self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
         self._bucket: list[int] = []  # with overlap: key indexes whose gradients wait for the next push
+        self._versions: dict[int, list[int]] = {}  # key index -> its gradients' versions when pushed (update_on_kvstore)
         self._syncing = True
         dist = kv is not None and kv.type.startswith("dist")
         if overlap and not dist:
@@ -195,6 +196,7 @@ class Trainer:
             return  # applies a push as it arrives, with the 1/batch_size that step sends first: its gradients leave in step)
         i = self._where[id(param)]
         if self._pushed[i]:
+            self._versions.pop(i, None)  # (this error says it: step goes on with the gradient that left)
             raise TrainerError(f"parameter {self._keys[i]!r} got a second gradient before step(): with overlap it left "
                                "in the first backward; accumulate inside `with trainer.no_sync():` (all but the last "
                                "backward), and keep a backward from filling gradients not stepped (a GAN's D in G's "
@@ -225,6 +227,7 @@ class Trainer:
         keys, grads = [self._keys[i] for i in which], [[rep[i].grad for rep in self._reps] for i in which]
         if self._update_on_kvstore:
             self._kv.push(keys, grads, priority=-which[-1], wait=False, _held=self._held)
+            self._versions.update((i, [getattr(g, "_version", -1) for g in gs]) for i, gs in zip(which, grads))
         else:
             self._inflight.update(dict.fromkeys(which, cast(Handle, self._kv.pushpull(keys, grads, priority=-which[-1], wait=False))))
         timeline.span(f"push {keys[0]}..{keys[-1]}", t0, keys=len(keys))
@@ -332,6 +335,10 @@ class Trainer:
             return
         assert self._kv is not None
         self._send_bucket()
+        edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(r[i].grad, "_version", -1) for r in self._reps] != v], {}
+        if edited:
+            raise TrainerError(f"the gradients of {edited[:3]} changed after backward pushed them (with overlap they leave during backward): "
+                               "clip or change them with update_on_kvstore=False between allreduce_grads() and update(), or pass overlap=False")
         rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         if rest:  # the store's calls run under torch.no_grad()

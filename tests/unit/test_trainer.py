@@ -680,3 +680,24 @@ def test_overlap_waits_for_parameters_no_module_call_reads(inproc_job: Job, how:
     overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
     for a, b in zip(plain, overlapped):
         assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("edit", ["clip_grad_norm_", "a backward inside no_sync after the last"])
+def test_overlap_refuses_gradients_changed_after_backward_pushed_them(inproc_job: Job, edit: str) -> None:
+    """With overlap the gradients leave during backward: a change to them before step (clipping, a
+    backward accumulating inside no_sync) was silently not in the update (overlap off: it was)."""
+
+    def body(kv: KVStore) -> str:
+        w = nn.Parameter(torch.ones(3))
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0}, kvstore=kv, overlap=True)
+        (w * 2).sum().backward()
+        if edit == "clip_grad_norm_":
+            nn.utils.clip_grad_norm_([w], 0.5)
+        else:
+            with tr.no_sync():
+                (w * 2).sum().backward()
+        with pytest.raises(pskv.TrainerError, match=r"changed after backward pushed them"):
+            tr.step(1)
+        return "ok"
+
+    assert inproc_job(1, 1).run_workers(body) == ["ok"]
