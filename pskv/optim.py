@@ -306,16 +306,17 @@ class Optimizer:
         self.num_update = max(self.num_update, st.step)
         return st
 
-    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False) -> None:
-        """Update ``weight`` of ``key`` in place. ``grad`` is not modified unless ``grad_is_scratch``
-        (then the update works in it, else a dense gradient may be copied once)."""
+    def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False, rescale: Optional[float] = None) -> None:
+        """Update ``weight`` of ``key`` in place, ``grad`` times ``rescale`` (None: ``rescale_grad``). ``grad`` is not
+        modified unless ``grad_is_scratch`` (then the update works in it, else a dense gradient may be copied once)."""
         st = self._key_state(key, weight)
         h, lr = self._hyper, self._lr(self.num_update)
+        scale = float(h["rescale_grad"]) if rescale is None else rescale
         if grad.is_sparse:
             rows, vals = _rows(grad)
-            self._rule.sparse(h, lr, st, rows, self._prepare(vals), weight)
+            self._rule.sparse(h, lr, st, rows, self._prepare(vals, scale), weight)
             return
-        g = self._prepare(grad, inplace=grad_is_scratch)  # a new tensor if rescaled or clipped
+        g = self._prepare(grad, scale, inplace=grad_is_scratch)  # a new tensor if rescaled or clipped
         if g is grad and not grad_is_scratch and self._rule.writes_grad(h):
             g = grad.clone()
         self._rule.dense(h, lr, st, g, weight)
@@ -333,8 +334,8 @@ class Optimizer:
         gs = list(torch._foreach_mul(list(grads), float(h["rescale_grad"])))  # new tensors: grads untouched
         _sgd(h, self._lr(self.num_update), states, gs, list(weights))
 
-    def _prepare(self, g: Tensor, inplace: bool = False) -> Tensor:
-        scale, clip = self._hyper["rescale_grad"], self._hyper["clip_gradient"]
+    def _prepare(self, g: Tensor, scale: float, inplace: bool = False) -> Tensor:
+        clip = self._hyper["clip_gradient"]
         if scale != 1.0:
             g = g.mul_(scale) if inplace else g * scale
         if clip > 0:
@@ -409,11 +410,12 @@ def updatable(dtype: torch.dtype, key: object) -> None:
         raise OptimizerError(f"{key}: an optimizer updates floating-point values; these are {dtype}")
 
 
-def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False) -> None:
+def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False,
+               rescale: Optional[float] = None) -> None:
     """What a store does with a key's merged push: ``optimizer.update`` (in place, inside ``merged``
-    if it is scratch), or without one replace the stored value (a row-sparse push zeroes absent rows)."""
+    if it is scratch; ``rescale``: see there), or without one replace the stored value (a row-sparse push zeroes absent rows)."""
     if optimizer is not None:
-        optimizer.update(key, merged, stored, grad_is_scratch=merged_is_scratch)
+        optimizer.update(key, merged, stored, grad_is_scratch=merged_is_scratch, rescale=rescale)
     elif merged.is_sparse:
         write_rows(stored, *_rows(merged))
     else:

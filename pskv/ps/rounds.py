@@ -253,14 +253,8 @@ class Rounds:
         """Apply a round's merged gradient (the optimizer, or assignment); the pulls it completes. A held
         round's ``rescale`` is for its update only: other parts' plain pushes keep the optimizer's own."""
         assert p.value is not None
-        opt, scratch = self.optimizer, merged is p.scratch
-        if merged is not None and opt is not None and rescale is not None:
-            base = opt.rescale_grad
-            opt.set_rescale_grad(rescale)
-            apply_push(opt, p.state_key, merged, p.value, merged_is_scratch=scratch)
-            opt.set_rescale_grad(base)
-        elif merged is not None:
-            apply_push(opt, p.state_key, merged, p.value, merged_is_scratch=scratch)
+        if merged is not None:
+            apply_push(self.optimizer, p.state_key, merged, p.value, merged_is_scratch=merged is p.scratch, rescale=rescale)
         p.rounds += 1
         ready = [w for w in p.pulls if w.round <= p.rounds]
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
