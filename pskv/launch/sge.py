@@ -49,6 +49,8 @@ class Sge(Backend):
 
     def __init__(self, spec: JobSpec):
         super().__init__(spec)
+        if any(c.isspace() or c in "/:@\\*?" for c in spec.name):  # (qsub said "Error reading answer list")
+            raise LaunchError(f"--job-name {spec.name!r}: Grid Engine takes no spaces or / : @ \\ * ? in a job name")
         self.qsub = require_tool("qsub", "sge", "run it on a Grid Engine submit host")
         self.address = scheduler_address(spec.environ)
         self.spool = Spool(".pskv-sge-", "*.o*")

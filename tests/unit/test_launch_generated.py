@@ -428,6 +428,9 @@ def test_sge_dry_run_scripts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("DMLC_NODE_HOST", "10.3.3.3")
     monkeypatch.chdir(tmp_path)
+    for bad in ("my job", "a/b", "x:y"):  # qsub refused them with "Error reading answer list"
+        code, _, err = _cli(["launch", "--launcher", "sge", "-n", "1", "--job-name", bad, "--dry-run", "--", "x"], capsys)
+        assert code == 2 and f"--job-name {bad!r}: Grid Engine takes no spaces" in err, err
     code, out, _ = _cli(
         ["launch", "--launcher", "sge", "-n", "3", "-s", "2", "--job-name", "jb", "--dry-run", "--launcher-args=-q all.q",
          *ENV_OPTS, "--", "python3", "train.py"],
