@@ -126,7 +126,9 @@ def worker(args: argparse.Namespace) -> None:
     if exposed:  # step() after backward (the next forward's waits for weights are waits_per_step_s)
         result["after_backward_s"] = sorted(exposed)[len(exposed) // 2]
     if timeline.on:
-        waits = [e["dur"] / 1e6 for e in timeline._events if e.get("ph") == "X" and e["name"].startswith("wait ")]
+        timeline._write()  # this worker's spans so far: a JSON array, its "]" left out
+        events = json.loads(Path(f"{os.environ['PSKV_TIMELINE']}.worker-{rank}.json").read_text().rstrip().rstrip(",") + "]")
+        waits = [e["dur"] / 1e6 for e in events if e.get("ph") == "X" and e["name"].startswith("wait ")]
         result["waits_per_step_s"] = sum(waits) / max(1, args.warmup + args.steps)
     if rank == 0:
         Path(args.out).write_text(json.dumps(result))

@@ -1,34 +1,39 @@
 """Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off; docs/DESIGN.md),
-``t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)``. Each process writes its spans at exit
-to ``path.<role>-<rank>.json`` with the clock its host shares; ``pskv launch`` merges them into ``path``."""
+``t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)``. Each process appends its spans to
+``path.<role>-<rank>.json`` (every 1000, at exit and at SIGTERM; a Chrome trace in the JSON array format, its
+``]`` left out, one event a line) with the clock its host shares; ``pskv launch`` merges them into ``path``."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import json
 import os
+import signal
 import threading
 import time
 from typing import Any, Optional
 
 on = False
-_path = ""
-_events: list[dict[str, Any]] = []
+_fd = -1
+_lines: list[str] = []
 _lock = threading.Lock()
 _pid = 0
 _threads: dict[int, int] = {}
 
 
 def start(role: str, rank: int) -> None:
-    global on, _path, _pid
+    global on, _fd, _pid
     path = os.environ.get("PSKV_TIMELINE", "")
     if not path or on:
         return
-    on, _path = True, f"{path}.{role}-{rank}.json"
-    _pid = {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank
-    _events.append({"name": "process_name", "ph": "M", "pid": _pid, "args": {"name": f"{role} {rank}"}})
-    atexit.register(_dump)
+    _fd = os.open(f"{path}.{role}-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    on, _pid = True, {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank
+    _lines.append("[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": _pid, "args": {"name": f"{role} {rank}"}}) + ",\n")
+    atexit.register(_write)
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stopped)
 
 
 now = time.perf_counter
@@ -43,24 +48,39 @@ def span(name: str, begin: float, **args: Any) -> None:
     with _lock:
         if ident not in _threads:  # a thread seen for the first time: name its row
             _threads[ident] = len(_threads)
-            _events.append({"name": "thread_name", "ph": "M", "pid": _pid, "tid": _threads[ident], "args": {"name": threading.current_thread().name}})
-        _events.append({"name": name, "ph": "X", "ts": begin * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": _threads[ident], "args": args})
+            _lines.append(json.dumps({"name": "thread_name", "ph": "M", "pid": _pid, "tid": _threads[ident], "args": {"name": threading.current_thread().name}}) + ",\n")
+        _lines.append(json.dumps({"name": name, "ph": "X", "ts": begin * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": _threads[ident], "args": args}) + ",\n")
+        if len(_lines) >= 1000:
+            _write()
 
 
-def _dump() -> None:
-    with _lock, open(_path, "w") as f:
-        json.dump({"traceEvents": _events}, f)
+def _write() -> None:
+    global _lines
+    lines, _lines = _lines, []
+    os.write(_fd, "".join(lines).encode())
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    """SIGTERM (how pskv launch stops a job): write the spans, then end as SIGTERM does."""
+    _write()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def merge(path: str) -> Optional[str]:
     """Merge the per-process files ``path.*.json`` into ``path`` (removing them); the path, or None if none."""
     if not (parts := sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))):
         return None
-    events: list[Any] = []
+    with open(path, "w") as out:
+        out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        sep = ""
+        for part in parts:
+            with open(part) as f:
+                for line in f:
+                    with contextlib.suppress(ValueError):  # a line cut short (a process killed as it wrote) is left out
+                        out.write(sep + json.dumps(json.loads(line.rstrip().rstrip(","))))
+                        sep = ",\n"
+        out.write("]}\n")
     for part in parts:
-        with open(part) as f:
-            events += json.load(f).get("traceEvents", [])
         os.unlink(part)
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
     return path

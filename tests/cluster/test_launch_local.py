@@ -133,6 +133,28 @@ def test_timeline_files_are_merged_when_the_job_ends(tmp_path: Path) -> None:
     assert any(e["name"].startswith("PUSH from worker") and e["pid"] == processes["server 0"] for e in spans)
 
 
+def test_timeline_keeps_the_spans_of_processes_the_launcher_stopped(tmp_path: Path) -> None:
+    """Worker 1 dies (os._exit: no atexit); pskv launch stops worker 0 and the servers with SIGTERM:
+    their spans are in the merged file, which is valid JSON."""
+    script = """
+    import os, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(4))
+    kv.pushpull("w", torch.ones(4), out=torch.empty(4))
+    if kv.rank == 1:
+        os._exit(3)
+    time.sleep(120)
+    """
+    path = tmp_path / "t.json"
+    res = launch(tmp_path, script, 2, 2, timeout=90, env={"PSKV_TIMELINE": str(path)})
+    assert res.code == 3, res
+    events = json.loads(path.read_text())["traceEvents"]
+    processes = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    assert {"worker 0", "server 0", "server 1"} <= set(processes), processes
+    assert any(e["name"] == "send PUSH" and e["pid"] == processes["worker 0"] for e in events), events
+    assert any(e["name"] == "PUSH from worker 0" and e["pid"] in (processes["server 0"], processes["server 1"]) for e in events)
+
+
 def test_torch_distributed_runs_under_pskv_launch(tmp_path: Path) -> None:
     """-s 0 starts workers only, with the variables torchrun sets: gloo just works."""
     script = """

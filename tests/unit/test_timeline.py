@@ -1,0 +1,37 @@
+"""pskv.ps.timeline: spans leave memory as they are recorded, and a merge skips a line cut short."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pskv.ps import timeline
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_spans_reach_the_file_during_a_long_run_and_merge_skips_a_cut_line(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    code = """if True:
+        import os
+        from pskv.ps import timeline
+        timeline.start("worker", 0)
+        for i in range(5000):
+            timeline.span("send PUSH", timeline.now(), server=i % 2)
+        assert len(getattr(timeline, "_events", getattr(timeline, "_lines", []))) < 1000, "spans kept in memory"
+        os._exit(0)  # killed: no atexit
+    """
+    env = {**os.environ, "PSKV_TIMELINE": str(path), "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    part = json.loads(Path(f"{path}.worker-0.json").read_text().rstrip().rstrip(",") + "]")  # a trace by itself
+    assert [e["name"] for e in part[:2]] == ["process_name", "thread_name"] and len(part) >= 4000, part[:2]
+    with open(f"{path}.worker-0.json", "a") as f:
+        f.write('{"name": "cut sh')  # a process killed while it wrote
+    assert timeline.merge(str(path)) == str(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    assert sum(e["name"] == "send PUSH" for e in events) >= 4000, len(events)
+    assert not list(tmp_path.glob("t.json.*")), sorted(tmp_path.iterdir())
