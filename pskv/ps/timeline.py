@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Any, Optional
@@ -28,7 +29,13 @@ def start(role: str, rank: int) -> None:
     path = os.environ.get("PSKV_TIMELINE", "")
     if not path or on:
         return
-    _fd = os.open(f"{path}.{role}-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "a directory, not a file name", path)
+        _fd = os.open(f"{path}.{role}-{rank}.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
+        print(f"pskv {role} {rank}: no timeline: PSKV_TIMELINE={path}: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return
     on, _pid = True, {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank
     _lines.append("[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": _pid, "args": {"name": f"{role} {rank}"}}) + ",\n")
     atexit.register(_write)

@@ -35,3 +35,18 @@ def test_spans_reach_the_file_during_a_long_run_and_merge_skips_a_cut_line(tmp_p
     events = json.loads(path.read_text())["traceEvents"]
     assert sum(e["name"] == "send PUSH" for e in events) >= 4000, len(events)
     assert not list(tmp_path.glob("t.json.*")), sorted(tmp_path.iterdir())
+
+
+def test_a_path_it_cannot_write_is_said_at_start_in_one_line(tmp_path: Path) -> None:
+    code = """if True:
+        from pskv.ps import timeline
+        timeline.start("worker", 0)
+        timeline.span("send PUSH", timeline.now())
+        print("on" if timeline.on else "off")
+    """
+    for path in (tmp_path, tmp_path / "missing" / "t.json"):  # a directory; a file in no directory
+        env = {**os.environ, "PSKV_TIMELINE": str(path), "PYTHONPATH": str(REPO)}
+        res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0 and res.stdout == "off\n", res
+        assert res.stderr.startswith(f"pskv worker 0: no timeline: PSKV_TIMELINE={path}: ") and "Traceback" not in res.stderr, res.stderr
+        assert timeline.merge(str(path)) is None
