@@ -147,7 +147,7 @@ def report(args: argparse.Namespace, shapes: Shapes, runs: dict[str, dict[str, A
 def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
-        if args.size_mb is not None and args.size_mb <= 0:
+        if args.size_mb is not None and not 0 < args.size_mb < math.inf:
             raise PSKVError(f"--size-mb must be positive, got {args.size_mb}")
         if args.num_workers < 1 or args.num_servers < 1 or args.rounds < 1 or args.warmup < 0:
             raise PSKVError(f"-n, -s and --rounds must be >= 1, --warmup >= 0; got {args.num_workers}, {args.num_servers}, {args.rounds}, {args.warmup}")
@@ -165,6 +165,6 @@ def main(argv: Sequence[str]) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         return 0
-    except PSKVError as exc:
+    except (PSKVError, OSError) as exc:  # OSError: --json cannot be written
         print(f"pskv bench: {exc}", file=sys.stderr)
         return 2

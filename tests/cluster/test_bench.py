@@ -38,3 +38,12 @@ def test_bench_over_tcp_and_a_bad_size(tmp_path: Path) -> None:
     assert res.code == 2 and "--size-mb must be positive" in res.stderr, res
     res = run([sys.executable, "-m", "pskv", "bench", "--rounds", "0"], timeout=60)
     assert res.code == 2 and "--rounds must be >= 1, --warmup >= 0; got 2, 2, 0, 3" in res.stderr, res
+
+
+def test_bench_a_size_that_is_no_number_and_a_json_path_it_cannot_write_are_one_line_errors(tmp_path: Path) -> None:
+    for size in ("nan", "inf"):
+        res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", size], timeout=60)
+        assert res.code == 2 and res.stderr == f"pskv bench: --size-mb must be positive, got {size}\n", res
+    res = run([sys.executable, "-m", "pskv", "bench", "--size-mb", "0.01", "-n", "1", "-s", "1", "--rounds", "1", "--warmup", "0",
+               "--json", str(tmp_path)], timeout=200)  # fmt: skip
+    assert res.code == 2 and res.stderr == f"pskv bench: [Errno 21] Is a directory: '{tmp_path}'\n", res
