@@ -34,10 +34,10 @@ class Local(Backend):
         return out
 
     def close(self, status: Optional[int]) -> None:
-        if path := {**self.spec.environ, **self.spec.env}.get("PSKV_TIMELINE"):
-            from ..ps import timeline  # not at the top: pskv.ps loads zmq
+        from ..ps import timeline  # not at the top: pskv.ps loads zmq
 
-            timeline.merge(path)
+        for path in {{**self.spec.environ, **self.spec.env, **e}.get("PSKV_TIMELINE", "") for e in self.spec.role_env.values()} - {""}:
+            timeline.merge(path)  # (--env-worker or --env-server may name it: one trace for each path)
 
 
 def launch_local(

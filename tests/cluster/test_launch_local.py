@@ -146,7 +146,7 @@ def test_timeline_keeps_the_spans_of_processes_the_launcher_stopped(tmp_path: Pa
     time.sleep(120)
     """
     path = tmp_path / "t.json"
-    res = launch(tmp_path, script, 2, 2, timeout=90, env={"PSKV_TIMELINE": str(path)})
+    res = launch(tmp_path, script, 2, 2, timeout=90, launch_args=["--env-worker", f"PSKV_TIMELINE:{path}", "--env-server", f"PSKV_TIMELINE:{path}"])
     assert res.code == 3, res
     events = json.loads(path.read_text())["traceEvents"]
     processes = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
