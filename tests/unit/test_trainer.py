@@ -162,6 +162,24 @@ def test_a_trainer_made_late_on_dist_async_keeps_the_servers_optimizer(inproc_jo
     assert inproc_job(2, 1).run_workers(body, "dist_async")[0] == [0.0, -1.5, -3.25]
 
 
+def test_states_loaded_on_dist_async_survive_the_first_step(inproc_job: Job, tmp_path: Path) -> None:
+    """Saved after a short last batch (the servers' rescale 1/2), loaded by a new job: its first step (rescale
+    1/4) replaced the loaded optimizer with the Trainer's, so the momentum buffer (1.5) and the count restarted."""
+    def body(kv: KVStore, steps: tuple[int, ...], load: bool) -> list[float]:
+        w = _ones_param(2) if not load else torch.full((2,), -1.5, requires_grad=True)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv)
+        tr.load_states(tmp_path / "states") if load else None
+        for batch in steps:
+            w.grad = torch.full((2,), float(batch))
+            tr.step(batch)  # g / batch = 1: buffers 1, 1.5, then 1.75
+        tr.save_states(tmp_path / ("after" if load else "states"))
+        return w.tolist()
+
+    assert inproc_job(1, 1).run_workers(lambda kv: body(kv, (4, 2), False), "dist_async") == [[-1.5, -1.5]]
+    assert inproc_job(1, 1).run_workers(lambda kv: body(kv, (4,), True), "dist_async") == [[-3.25, -3.25]]
+    assert torch.load(tmp_path / "after", weights_only=True)["num_update"] == 3
+
+
 def test_update_on_the_workers_refuses_a_store_that_runs_an_optimizer() -> None:
     """Its pulls brought updated weights where the Trainer expected the summed gradients (no error)."""
     kv = pskv.kv.create("local")
