@@ -92,7 +92,7 @@ def run_worker(args: argparse.Namespace) -> int:
         return SplitSampler(len(train_set), n, i, shuffle=True, seed=args.seed), range(len(test_set) * i // n, len(test_set) * (i + 1) // n), leader
 
     sampler, test_part, leader = share([{"rank": r, "since": 0} for r in range(workers)])
-    steps_per_epoch = math.ceil(len(sampler) / args.batch_size)
+    per_epoch = (steps_per_epoch := math.ceil(len(sampler) / args.batch_size)) * (workers if kv.type == "dist_async" else 1)  # the servers' updates: dist_async applies every push
 
     # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
     classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
@@ -100,12 +100,12 @@ def run_worker(args: argparse.Namespace) -> int:
     resumed = checkpoint.latest(args.checkpoint_dir) if args.resume and not kv.rejoined else None  # (one back: the job's own)
     progress = checkpoint.load_weights(resumed, nets) if resumed else {}  # before the Trainer sends them
     hyper: dict[str, Any] = {"learning_rate": args.lr, "momentum": args.momentum, "wd": args.wd}
-    steps = max(2, steps_per_epoch * args.epochs)
+    steps = max(2, per_epoch * args.epochs)
     if args.lr_schedule == "step":  # x0.1 at 50% and at 75% of the run
         milestones = [max(1, steps // 2), max(2, steps * 3 // 4)]
         hyper["lr_scheduler"] = {"name": "multifactor", "step": milestones, "factor": 0.1}
     elif args.lr_schedule == "cosine":  # warm up for an epoch (at most a tenth of the run), then decay to 0
-        warmup = min(steps_per_epoch, steps // 10)
+        warmup = min(per_epoch, steps // 10)
         hyper["lr_scheduler"] = {"name": "cosine", "max_update": steps, "final_lr": 0.0, "warmup_steps": warmup}
     # --amp: forward in bf16/fp16, fp32 weights; bf16 gradients travel as bf16, fp16 ones are scaled (LossScale)
     dist, amp = kv.type.startswith("dist"), {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or "")
@@ -115,7 +115,7 @@ def run_worker(args: argparse.Namespace) -> int:
     board: Any = tensorboard(args.tensorboard) if rank == 0 and not kv.rejoined and args.tensorboard else None
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
     if resumed:
-        checkpoint.load_states(resumed, trainer, updates=progress["epoch"] * steps_per_epoch)  # (W may differ now)
+        checkpoint.load_states(resumed, trainer, updates=progress["epoch"] * per_epoch)  # (W may differ now)
 
     if rank == 0 and not kv.rejoined:
         store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type

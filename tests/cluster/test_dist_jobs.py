@@ -376,6 +376,24 @@ def test_pskv_train_resumes_a_killed_job_from_its_checkpoint(tmp_path: Path) -> 
     assert [row["epoch"] for row in json.loads(report.read_text())["epochs"]] == [1, 2, 3]
 
 
+def test_pskv_train_on_dist_async_sizes_and_resumes_the_servers_schedule(tmp_path: Path) -> None:
+    """dist_async applies every push: 2 workers x 23 steps are 46 updates an epoch on the servers. The
+    schedule was sized in one worker's steps (the LR was 0 from half the run on: its second epoch of 2
+    left the weights as they were), and a resume scaled the servers' count down to 23 an epoch (and
+    lost it, and the momentum, at its first step: the saved rescale was the short last batch's)."""
+    import torch
+
+    from .jobs import run
+
+    train = [sys.executable, "-m", "pskv", "train", "--model", "small_cnn", "--kv-store", "dist_async", "--no-progress",
+             "--checkpoint-dir", str(tmp_path)]  # fmt: skip
+    for epochs in (2, 3):  # then one more epoch, resumed
+        res = run([*train, "--epochs", str(epochs), *(["--resume"] if epochs == 3 else [])], timeout=200)
+        assert res.code == 0, res
+        saved = torch.load(tmp_path / f"epoch-{epochs}" / "optimizer.pt", weights_only=True)
+        assert saved["num_update"] == saved["optimizer"]["lr_scheduler"]["max_update"] == 46 * epochs, saved["num_update"]
+
+
 def test_pskv_train_resume_needs_a_checkpoint_dir(tmp_path: Path) -> None:
     import sys
 
