@@ -115,7 +115,8 @@ def run_worker(args: argparse.Namespace) -> int:
     board: Any = tensorboard(args.tensorboard) if rank == 0 and not kv.rejoined and args.tensorboard else None
     loss_fn = nn.CrossEntropyLoss(reduction="sum")  # summed: trainer.step(n) divides by the batch size
     if resumed:
-        checkpoint.load_states(resumed, trainer, updates=progress["epoch"] * per_epoch)  # (W may differ now)
+        checkpoint.load_states(resumed, trainer, updates=progress["epoch"] * per_epoch if progress.get("per_epoch") != per_epoch else None)  # (W may differ now)
+        vars(scale).update(progress.get("loss_scale", {})) if scale else None  # fp16: the scale and its count of good steps go on
 
     if rank == 0 and not kv.rejoined:
         store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
@@ -203,7 +204,7 @@ def run_worker(args: argparse.Namespace) -> int:
                   f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
                   f"{row['samples_per_sec']:.1f} samples/s total", flush=True)
         if args.checkpoint_dir:
-            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history}, writer=leader)
+            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history, "per_epoch": per_epoch, "loss_scale": vars(scale) if scale else {}}, writer=leader)
     if rank == leader and history:
         last, seconds = history[-1], time.perf_counter() - started
         # the run's samples/s: every epoch's rate weighted by its time
@@ -231,7 +232,6 @@ class LossScale:
     """fp16 loss scaling through the store (torch's GradScaler rules): the summed gradients, the same
     on every worker, are checked; a step with Inf/NaN is skipped everywhere and halves the scale,
     2000 good steps double it. The update divides by the scale (``Trainer.update``'s batch size)."""
-
     value, good = 2.0**16, 0
 
     def step(self, trainer: Trainer, net: nn.Module, batch: int) -> None:
