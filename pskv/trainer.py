@@ -399,7 +399,8 @@ class Trainer:
         """Restore states written by :meth:`save_states` (to the servers when they run the optimizer)."""
         self.synchronize()
         if self._update_on_kvstore and self._kv is not None:
-            self._kv.set_optimizer(self._optimizer) if self._async else None  # (first step's: the same object, states kept)
+            if self._async:  # the optimizer the first step sends: the same object then, so the loaded states stay
+                self._kv.set_optimizer(self._optimizer)
             self._kv.load_optimizer_states(path)
             self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
         else:
