@@ -1,7 +1,8 @@
 """Resumable training: a directory with one checkpoint per completed epoch, ``epoch-N/`` holding the
 model's weights (``model.pt``), the optimizer's states, read from the servers when they run it
 (``optimizer.pt``), and the caller's progress (``progress.json``). Each is written as
-``epoch-N.tmp`` and renamed into place, so a job killed at any moment leaves the last complete one;
+``epoch-N.tmp``, flushed to disk and renamed into place, so a job killed at any moment (the machine too)
+leaves the last complete one;
 a job resumed from it may have another number of workers or servers (docs/TRAINING.md). To resume:
 :func:`latest` and :func:`load_weights` before making the Trainer (it sends worker 0's weights to the
 servers), :func:`load_states` after; :func:`save` after each epoch (as pskv/app/train.py does)."""
@@ -9,6 +10,7 @@ servers), :func:`load_states` after; :func:`save` after each epoch (as pskv/app/
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -28,6 +30,14 @@ PREFIX = "epoch-"
 def _epoch(path: Path) -> int:
     tail = path.name[len(PREFIX) :]
     return int(tail) if path.name.startswith(PREFIX) and tail.isdigit() else -1
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def latest(directory: Union[str, Path]) -> Optional[Path]:
@@ -50,8 +60,11 @@ def save(directory: Union[str, Path], epoch: int, model: nn.Module, trainer: Tra
         torch.save(model.state_dict(), temp / "model.pt")
         trainer.save_states(temp / "optimizer.pt")
         (temp / "progress.json").write_text(json.dumps({**progress, "epoch": epoch}) + "\n")
+        for path in [*temp.iterdir(), temp]:  # on disk before the rename (else a crash of the machine can leave
+            _fsync(path)  # the renamed files empty, and the checkpoint before is removed below)
         shutil.rmtree(final, ignore_errors=True)
         temp.rename(final)
+        _fsync(final.parent)  # the rename itself
         for old in Path(directory).glob(f"{PREFIX}*"):
             if old != final and (0 <= _epoch(old) < epoch or old.name.endswith(".tmp")):
                 shutil.rmtree(old, ignore_errors=True)

@@ -428,6 +428,24 @@ def test_a_checkpoint_resumed_with_other_steps_per_epoch_keeps_the_schedules_pla
             kv.close()
 
 
+def test_a_checkpoint_is_on_disk_before_it_is_renamed_into_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renamed without fsync, a crash of the machine could leave the newest checkpoint's files empty
+    (the rename reaches the disk before the data), with the one before it already removed."""
+    import os
+
+    from pskv import checkpoint
+
+    done: list[str] = []
+    fsync, rename = os.fsync, Path.rename
+    monkeypatch.setattr(os, "fsync", lambda fd: done.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    monkeypatch.setattr(Path, "rename", lambda self, to: done.append(f"rename {self.name}") or rename(self, to))
+    net = nn.Linear(2, 1)
+    checkpoint.save(tmp_path, 1, net, pskv.Trainer(net.parameters(), "sgd", kvstore=None), {})
+    temp = str(tmp_path / "epoch-1.tmp")
+    assert sorted(done[:4]) == sorted([f"{temp}/{f}" for f in ("model.pt", "optimizer.pt", "progress.json")] + [temp]), done
+    assert done[4:] == ["rename epoch-1.tmp", str(tmp_path)], done
+
+
 @pytest.mark.parametrize("store", [None, "device", "dist_sync"])
 def test_save_and_load_states_resume_exactly(store: Any, inproc_job: Job, tmp_path: Path) -> None:
     def store_for() -> Any:
