@@ -244,7 +244,12 @@ class Trainer:
 
     def pull_weights(self) -> None:
         """Copy the store's weights into every replica (a worker that rejoined a running job does)."""
-        cast(KVStore, self._kv).pull(self._keys, [list(ts) for ts in zip(*self._reps)])
+        kv = cast(KVStore, self._kv)
+        if kv.rejoined and not self._update_on_kvstore:
+            raise TrainerError("this worker is back in a lost one's place (pskv launch --max-restarts), but with update_on_kvstore="
+                               "False the servers hold the summed gradients, not the weights (each worker keeps its own, and its "
+                               "optimizer's states), so it cannot take the job's: use update_on_kvstore=True, or no --max-restarts")
+        kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])
 
     def synchronize(self) -> None:
         """Wait for every exchange still in flight: the weights are then the step's (or the

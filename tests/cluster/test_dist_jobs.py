@@ -685,6 +685,33 @@ def test_a_plain_barrier_of_a_worker_back_is_refused_by_name(tmp_path: Path) -> 
     assert res.stdout.count("members [{'rank': 0}, {'rank': 1}, {'rank': 2}]") == 3, res
 
 
+def test_max_restarts_a_worker_back_with_weights_of_its_own_is_refused(tmp_path: Path) -> None:
+    """With update_on_kvstore=False the servers hold the summed gradients, not the weights: a worker back
+    in a lost one's place pulled those as its weights (and pushed gradients of them into every sum).
+    Its Trainer now refuses, by name, and the job goes on with the others (--min-workers)."""
+    script = """
+    import os, signal, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    net = torch.nn.Linear(4, 2)
+    trainer = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv, update_on_kvstore=False)
+    print("trainer made", flush=True)
+    for step in range(100):
+        if kv.rank == 2 and step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        net.zero_grad()
+        net(torch.ones(2, 4)).sum().backward()
+        trainer.step(2)
+        kv.allgather(step)
+        time.sleep(0.1)
+    kv.close()
+    """
+    res = launch(tmp_path, script, 3, 1, launch_args=["--min-workers", "2", "--max-restarts", "1"], timeout=90)
+    assert res.code == 0 and "restarted worker 2 (restart 1 of 1)" in res.stderr, res
+    assert "TrainerError: this worker is back in a lost one's place (pskv launch --max-restarts), but with update_on_kvstore=False" in res.stderr, res
+    assert res.stdout.count("trainer made") == 3, res  # worker 2 in its first life; not back
+    assert "worker 2 exited with status 1; the job goes on with 2 workers" in res.stderr, res
+
+
 @pytest.mark.parametrize("victim", ["2", "0"])
 def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path, victim: str) -> None:
     """``pskv train`` by 3 workers, ``--max-restarts 1``, checkpoints and ``--resume``: worker 2 (or 0,
