@@ -58,3 +58,20 @@ def test_readme_store_snippet_runs() -> None:
     code = block.group(1) + "\nassert torch.equal(out, out) and rows.coalesce().indices()[0].tolist() == [3, 7]\nprint('ok')\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_readme_checkpoint_snippet_goes_on_where_it_stopped(tmp_path: Path) -> None:
+    """The README's train_ckpt.py (with a small network, and 1 then 2 epochs): the second run takes
+    epoch 1 from the first's checkpoint and trains only epoch 2."""
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"```python\n(# train_ckpt\.py.*?)```", text, re.S)
+    assert block, "the README's train_ckpt.py example is gone"
+    code = block.group(1).replace("models.resnet18(num_classes=10)", "models.small_cnn(10, 3, 16)")
+    assert "range(done, 3)" in code
+    for epochs in (1, 2):
+        script = tmp_path / f"train_ckpt_{epochs}.py"
+        script.write_text(code.replace("range(done, 3)", f"range(done, {epochs})") + "\nprint('from epoch', done)\nkv.close()\n")
+        res = run([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", sys.executable, str(script)], timeout=300, cwd=tmp_path)
+        assert res.code == 0, res
+        assert res.stdout.count(f"from epoch {epochs - 1}") == 2, res
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"epoch-{epochs}"], res
