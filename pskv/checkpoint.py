@@ -2,8 +2,8 @@
 model's weights (``model.pt``), the optimizer's states, read from the servers when they run it
 (``optimizer.pt``), and the caller's progress (``progress.json``). Each is written as
 ``epoch-N.tmp``, flushed to disk and renamed into place, so a job killed at any moment (the machine too)
-leaves the last complete one;
-a job resumed from it may have another number of workers or servers (docs/SPEC.md, "Resuming"). To resume:
+leaves the last complete one; a job resumed from it may have another number of workers or servers
+(docs/SPEC.md, "Resuming"). To resume:
 :func:`latest` and :func:`load_weights` before making the Trainer (it sends worker 0's weights to the
 servers), :func:`load_states` after; :func:`save` after each epoch (as pskv/app/train.py does)."""
 
