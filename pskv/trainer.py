@@ -343,7 +343,8 @@ class Trainer:
         edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(r[i].grad, "_version", -1) for r in self._reps] != v], {}
         if edited:
             raise TrainerError(f"the gradients of {edited[:3]} changed after backward pushed them (with overlap they leave during backward): "
-                               "clip or change them with update_on_kvstore=False between allreduce_grads() and update(), or pass overlap=False")
+                               "clip with the optimizer's clip_gradient (on the servers), or change them with update_on_kvstore=False "
+                               "between allreduce_grads() and update(), or pass overlap=False")
         rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         if rest:  # the store's calls run under torch.no_grad()
