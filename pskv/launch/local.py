@@ -34,10 +34,13 @@ class Local(Backend):
         return out
 
     def close(self, status: Optional[int]) -> None:
-        from ..ps import timeline  # not at the top: pskv.ps loads zmq
+        # (--env-worker or --env-server may name it: one trace for each path)
+        paths = {{**self.spec.environ, **self.spec.env, **e}.get("PSKV_TIMELINE", "") for e in self.spec.role_env.values()} - {""}
+        if paths:
+            from ..ps import timeline  # not at the top: pskv.ps loads zmq
 
-        for path in {{**self.spec.environ, **self.spec.env, **e}.get("PSKV_TIMELINE", "") for e in self.spec.role_env.values()} - {""}:
-            timeline.merge(path)  # (--env-worker or --env-server may name it: one trace for each path)
+            for path in paths:
+                timeline.merge(path)
 
 
 def launch_local(
