@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -12,7 +13,9 @@ from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from . import optim
 from .errors import OptimizerError, TrainerError
@@ -55,6 +58,33 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     if any(k != keys[0] or [t.shape for t in ts] != [t.shape for t in tensors[0]] for k, ts in zip(keys, tensors)):
         raise TrainerError("every device replica must have the same parameters, in the same order and shapes")
     return keys[0], tensors
+
+
+class _FirstReads(TorchFunctionMode):
+    """Inside the outermost module forwards before the first step, in the thread that made the Trainer:
+    the module whose forward started last before each parameter's first read (``where``: a parameter's
+    id to its index). Not inside torch.compile's module (it would compile the recording)."""
+
+    def __init__(self, where: dict[int, int]):
+        super().__init__()
+        self.where, self.module, self.depth, self.first = where, 0, 0, cast(dict[int, int], {})
+        self.thread = threading.get_ident()
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
+        for t in tree_leaves((args, kwargs)):
+            if (i := self.where.get(id(t))) is not None:
+                self.first.setdefault(i, self.module)
+        return func(*args, **(kwargs or {}))
+
+    def starts(self, module: torch.nn.Module) -> None:
+        self.module, self.depth = id(module), self.depth + 1
+        if self.depth == 1 and "_orig_mod" not in module._modules:
+            self.__enter__()  # type: ignore[no-untyped-call]
+
+    def ends(self, module: torch.nn.Module) -> None:
+        self.depth -= 1
+        if self.depth == 0 and "_orig_mod" not in module._modules:
+            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
 def _own_keys(kv: KVStore, keys: list[Key]) -> list[Key]:
@@ -144,8 +174,9 @@ class Trainer:
         self._overlap = bool(overlap)
         if kv is not None:  # (made: the Trainers on a store, while they live)
             kv.__dict__.setdefault("_trainers", weakref.WeakSet()).add(self)
-        # the first steps' forwards (no pull in flight yet) show which modules read the parameters of a
-        # child they do not call (MultiheadAttention its out_proj's): later forwards wait for those too
+        # the forwards before the first step (no pull in flight yet) show which forward each parameter's
+        # first read follows (a module reads a child's weights before, or without, calling it:
+        # MultiheadAttention its out_proj's): later, that forward waits for it
         self._called: Optional[dict[int, torch.nn.Module]] = {} if self._overlap else None
         self._reads: dict[int, list[int]] = {}
         self._eager: list[int] = []  # keys no module's forward waits for (plain tensors, .forward() calls): step does
@@ -165,6 +196,7 @@ class Trainer:
                 self._runs.append([])
             self._runs[-1].append(i)
         where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
+        reads = self._first_reads = _FirstReads(where)
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
         def grad_ready(param: Tensor) -> None:
             trainer = me()
@@ -172,9 +204,10 @@ class Trainer:
                 trainer._grad_ready(param)
 
         def before_forward(module: torch.nn.Module, args: Any) -> None:
-            trainer = me()
-            if trainer is not None and trainer._called is not None:
+            trainer = None if torch.compiler.is_compiling() else me()  # (compiled forwards: step waits, see _next_step)
+            if trainer is not None and trainer._called is not None and threading.get_ident() == reads.thread:
                 trainer._called[id(module)] = module
+                reads.starts(module)
             if trainer is not None and trainer._inflight:
                 own = module._parameters.values() if module.training else module.parameters()  # (eval: fast paths read all)
                 for i in [where.get(id(t)) for t in own] + trainer._reads.get(id(module), []):
@@ -182,8 +215,13 @@ class Trainer:
                         t0 = timeline.now()
                         trainer._inflight.pop(i).wait()
                         timeline.span(f"wait {trainer._keys[i]}", t0)
+        def after_forward(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if not torch.compiler.is_compiling() and reads.depth and threading.get_ident() == reads.thread:
+                reads.ends(module)
+
         hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
-        for hook in [*hooks, register_module_forward_pre_hook(before_forward)]:
+        self._after_forward = register_module_forward_hook(after_forward, always_call=True)  # (removed at the first step)
+        for hook in [*hooks, register_module_forward_pre_hook(before_forward), self._after_forward]:
             weakref.finalize(self, hook.remove)
 
     def _grad_ready(self, param: Tensor) -> None:
@@ -319,14 +357,12 @@ class Trainer:
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)
-        called, first, self._called = self._called or {}, self._called is not None, None
-        for m in called.values():
-            for child in m.children():
-                if id(child) not in called:
-                    self._reads.setdefault(id(m), []).extend(i for t in child.parameters() if (i := self._where.get(id(t))) is not None)
-        if first:
-            waited = {self._where.get(id(t)) for m in called.values() for t in m._parameters.values()}.union(*self._reads.values())
-            self._eager = [i for i in range(len(self._keys)) if i not in waited]
+        if self._called is not None:  # the first step
+            for i, m in self._first_reads.first.items():
+                self._reads.setdefault(m, []).append(i)
+            waited = {self._where.get(id(t)) for m in self._called.values() for t in m._parameters.values()}.union(self._first_reads.first)
+            self._eager, self._called = [i for i in range(len(self._keys)) if i not in waited], None
+            self._after_forward.remove()
 
     def step(self, batch_size: float, ignore_stale_grad: bool = False) -> None:
         """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
