@@ -625,6 +625,14 @@ def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> N
     assert job.run_workers(body) == ["ok"]
 
 
+def _same_with_overlap(inproc_job: Job, body: Callable[[KVStore, bool], list[torch.Tensor]]) -> None:
+    """``body(kv, overlap)``'s weights, one worker and one server, are the same with overlap on and off."""
+    plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
+    overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
+    for a, b in zip(plain, overlapped):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
 class _Attention(nn.Module):
     """MultiheadAttention reads its out_proj's weights without calling out_proj."""
 
@@ -721,10 +729,7 @@ def test_overlap_waits_for_a_parameter_before_its_first_read(inproc_job: Job, mo
         tr.synchronize()
         return [p.detach().clone() for p in net.parameters()]
 
-    plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
-    overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
-    for a, b in zip(plain, overlapped):
-        assert torch.equal(a, b), (a - b).abs().max()
+    _same_with_overlap(inproc_job, body)
 
 
 @pytest.mark.filterwarnings("ignore:Using `torch.compile:UserWarning")  # (torch's: the global hooks fire for its wrapper too)
@@ -749,10 +754,7 @@ def test_overlap_with_a_compiled_model(inproc_job: Job, how: str) -> None:
         return [p.detach().clone() for p in net.parameters()]
 
     torch._dynamo.reset()
-    plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
-    overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
-    for a, b in zip(plain, overlapped):
-        assert torch.equal(a, b), (a - b).abs().max()
+    _same_with_overlap(inproc_job, body)
 
 
 @pytest.mark.parametrize("how", ["plain tensors", "module.forward()"])
@@ -775,10 +777,7 @@ def test_overlap_waits_for_parameters_no_module_call_reads(inproc_job: Job, how:
         tr.synchronize()
         return [p.detach().clone() for p in net.parameters()]
 
-    plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
-    overlapped = inproc_job(1, 1).run_workers(lambda kv: body(kv, True))[0]
-    for a, b in zip(plain, overlapped):
-        assert torch.equal(a, b), (a - b).abs().max()
+    _same_with_overlap(inproc_job, body)
 
 
 @pytest.mark.parametrize("edit", ["clip_grad_norm_", "a backward inside no_sync after the last"])
