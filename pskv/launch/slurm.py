@@ -9,10 +9,10 @@ import shlex
 import shutil
 import time
 from collections.abc import Mapping
-from typing import Optional
+from typing import Optional, cast
 
 from ..errors import LaunchError
-from .job import Backend, Planned, ProcessContext, Spool, require_tool, run_quiet
+from .job import Backend, Planned, Proc, ProcessContext, Spool, require_tool, run_quiet
 from .spec import JobSpec, scheduler_address
 
 
@@ -61,7 +61,7 @@ class Sbatch(Backend):
         with open(self.script, "w") as f:
             f.write(self.batch_script())
         self.argv = [self.sbatch, "--wait", "--parsable", *spec.launcher_args, self.script]
-        self.job_id = ""
+        self.job_id, self.proc = "", cast(Optional[Proc], None)  # (sbatch)
         self.title = f"batch script {self.script}"
 
     def batch_script(self) -> str:
@@ -85,7 +85,7 @@ class Sbatch(Backend):
         return f"{self.batch_script()}# submit\n{shlex.join(self.argv)}"
 
     def start(self, ctx: ProcessContext, port: Optional[int]) -> None:
-        proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail", main=True)
+        proc = self.proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail", main=True)
         self.spool.start()
         deadline = time.monotonic() + 60
         while not self.job_id and proc.returncode is None and time.monotonic() < deadline:
@@ -97,6 +97,8 @@ class Sbatch(Backend):
             ctx.report(f"submitted Slurm job {self.job_id} ({jobs}); its output follows")
 
     def cancel(self, ctx: ProcessContext) -> None:
+        if not self.job_id and self.proc is not None and self.proc.returncode is not None:  # sbatch ended without a job id: it submitted none
+            return
         if (scancel := shutil.which("scancel")) is not None:
             run_quiet([scancel, self.job_id or f"--name={self.spec.name}"], timeout=60)
             ctx.report(f"cancelled Slurm job {self.job_id or self.spec.name}")

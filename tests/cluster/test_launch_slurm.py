@@ -100,3 +100,14 @@ def test_ctrl_c_cancels_the_submitted_job(cluster: Slurm, tmp_path: Path) -> Non
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
             launcher.communicate()
+
+
+@pytest.mark.timeout(120)
+def test_a_rejected_submission_says_so(cluster: Slurm, tmp_path: Path) -> None:
+    """sbatch refusing the job (an unknown partition) is reported with sbatch's reason; no job was
+    made, so none is said to be cancelled (it said "cancelled Slurm job NAME")."""
+    project = write_project(tmp_path / "project")
+    res = run(launch_argv("-n", "1", "-s", "1", "--launcher-args=--partition=nosuchpartition", "--", sys.executable, "sleep.py"), timeout=100, cwd=project, env=cluster.env())
+    assert res.code != 0, res
+    assert "nosuchpartition" in res.stderr or "partition" in res.stderr.lower(), res
+    assert "cancelled Slurm job" not in res.stderr, res
