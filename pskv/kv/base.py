@@ -314,6 +314,9 @@ class KVStore:
         if self._optimizer is not None and self._optimizer.name != desc.get("name"):
             raise errors.OptimizerError(f"the file holds {desc.get('name')!r} states but the store's "
                                         f"optimizer is {self._optimizer.name!r}")
+        names, ids = state.get("key_names") or {}, {m.key: m.id for m in self._keys.values()}
+        if names:  # by the keys' names: they may have been initialised in another order (a key not in the file starts afresh)
+            state = {**state, "keys": {ids[names[k]]: v for k, v in state["keys"].items() if names.get(k) in ids}}
         optimizer = self._optimizer or Optimizer.from_description(desc)
         self._load_optimizer_state(state, optimizer)
         self._described = self._described or optimizer.describe()

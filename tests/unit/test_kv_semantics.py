@@ -391,6 +391,24 @@ def test_optimizer_states_save_and_load(kv: KVStore, make_store: Callable[[str],
         kv.save_optimizer_states(bad.parent / "no-dir" / "states")
 
 
+def test_optimizer_states_load_by_the_keys_names(kv: KVStore, make_store: Callable[[str], KVStore], tmp_path: object) -> None:
+    """A store whose keys were initialised in another order gets each key's own state (the file's
+    states went by init order: 'a' took 'b''s momentum, silently)."""
+    import pathlib
+
+    path = pathlib.Path(str(tmp_path)) / "states.pskv"
+    kv.init(["a", "b"], [torch.zeros(2), torch.zeros(2)])
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5))
+    kv.push(["a", "b"], [torch.ones(2), torch.full((2,), 4.0)])  # buf a 1, b 4
+    kv.save_optimizer_states(path)
+    fresh = make_store(kv.type)
+    fresh.init(["b", "a"], [torch.zeros(2), torch.zeros(2)])
+    fresh.load_optimizer_states(path)
+    fresh.push(["a", "b"], [torch.zeros(2), torch.zeros(2)])  # w = -0.5 * buf
+    torch.testing.assert_close(pulled(fresh, "a", torch.ones(2)), torch.full((2,), -0.5))
+    torch.testing.assert_close(pulled(fresh, "b", torch.ones(2)), torch.full((2,), -2.0))
+
+
 def test_set_optimizer_needs_an_optimizer(kv: KVStore) -> None:
     with pytest.raises(pskv.OptimizerError, match=r"pskv.optim.create"):
         kv.set_optimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1))  # type: ignore[arg-type]
