@@ -18,7 +18,7 @@ variable                   default  meaning
 ``PSKV_ENCRYPT``           0        1: encrypt every connection (CURVE, keys derived from the secret; slower, docs/DESIGN.md)
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    auto     torch threads of a server; auto (0): the host's cores shared among the job's processes on it
-``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr
+``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr (ps-lite's ``PS_VERBOSE`` >= 1 too)
 ``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
 ``PSKV_LIFELINE``          (set)    ``fd:inode`` of a pipe from ``pskv launch``: its end stops every process of the job
 ``PSKV_SSH``               ssh      the command ``pskv launch --launcher ssh`` reaches hosts with
@@ -68,7 +68,8 @@ def getenv(name: str, default: T, least: Optional[T] = None, *, minimum: Optiona
 timeout = partial(getenv, "PSKV_TIMEOUT", 300.0, minimum=0.01)
 start_timeout = partial(getenv, "PSKV_START_TIMEOUT", 120.0, minimum=0.01)
 heartbeat_timeout = partial(getenv, "PSKV_HEARTBEAT_TIMEOUT", 30.0, minimum=0.01)
-verbose = partial(getenv, "PSKV_VERBOSE", False)
+def verbose() -> bool:
+    return getenv("PSKV_VERBOSE", False) or getenv("PS_VERBOSE", 0, minimum=0) > 0
 min_workers = partial(getenv, "PSKV_MIN_WORKERS", 0, minimum=0)
 replicas = partial(getenv, "PSKV_REPLICAS", 0, minimum=0)  # backups of each part
 bigarray_bound = partial(getenv, "PSKV_BIGARRAY_BOUND", 65_536, minimum=1)

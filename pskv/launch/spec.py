@@ -20,7 +20,7 @@ from ..errors import LaunchError
 ROLES = ("server", "worker")
 DEFAULT_PORT = 9091
 #: variables of the launcher's own environment that every remote process gets as well ...
-FORWARDED = ("PSKV_", "DMLC_INTERFACE")
+FORWARDED = ("PSKV_", "DMLC_INTERFACE", "PS_VERBOSE")
 #: ... except these, which mean something only here (and ``PSKV_SECRET``, which :meth:`JobSpec.process_env` drops)
 NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH")
 # what pskv launch sets for each process (from -n, -s and its role): never from --env

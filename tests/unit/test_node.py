@@ -52,3 +52,18 @@ def test_a_server_shares_the_hosts_cores_with_the_jobs_processes_on_it(monkeypat
     monkeypatch.setenv("PSKV_SERVER_THREADS", "-1")
     with pytest.raises(ValueError, match="PSKV_SERVER_THREADS='-1'"):
         config.server_threads(2)
+
+
+def test_ps_lites_ps_verbose_turns_the_log_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MXNet users debug a job with ps-lite's ``PS_VERBOSE=1`` (or 2): pskv did not read it."""
+    from pskv import config
+    from pskv.launch.spec import FORWARDED
+
+    monkeypatch.delenv("PSKV_VERBOSE", raising=False)
+    for value, on in (("", False), ("0", False), ("1", True), ("2", True)):
+        monkeypatch.setenv("PS_VERBOSE", value)
+        assert config.verbose() is on, value
+    monkeypatch.setenv("PS_VERBOSE", "loud")
+    with pytest.raises(ValueError, match="PS_VERBOSE='loud'"):
+        config.verbose()
+    assert "PS_VERBOSE=2".startswith(FORWARDED)  # to processes on other hosts too
