@@ -178,8 +178,8 @@ def _check_schedule(spec: Mapping[str, Any]) -> dict[str, Any]:
         value = out[field] = spec.get(field, default)
         if value is None:
             raise OptimizerError(f"lr_scheduler {name!r} needs {field!r}")
-        if not _is_number(value) and (name, field) != ("multifactor", "step"):  # checked below
-            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number, got {value!r}")
+        if (not _is_number(value) or value < 0) and (name, field) != ("multifactor", "step"):  # checked below
+            raise OptimizerError(f"lr_scheduler {name!r}: {field} must be a number >= 0, got {value!r}")
     if unknown := set(spec) - set(out):
         raise OptimizerError(f"lr_scheduler {name!r} does not take {sorted(unknown)}")
     if name == "multifactor":
@@ -244,7 +244,7 @@ class Optimizer:
             if not isinstance(new[key], bool) and not _is_number(value):
                 raise OptimizerError(f"{self.name}: {key} must be a finite number, got {value!r}")
             new[key] = value if isinstance(value, bool) else float(value)
-        for name in ("learning_rate", "wd", "momentum", "epsilon"):
+        for name in ("learning_rate", "wd", "momentum", "epsilon", "lr_decay", "initial_accumulator_value"):  # (torch refuses them too)
             if new.get(name, 0.0) < 0:
                 raise OptimizerError(f"{name} must be >= 0, got {new[name]}")
         for name in ("beta1", "beta2"):

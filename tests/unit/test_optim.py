@@ -194,6 +194,10 @@ def test_description_roundtrip_is_plain_data() -> None:
         (lambda: create("sgd", nesterov=True), "nesterov needs momentum"),
         (lambda: create("adam", beta1=1.0), r"beta1 must be in \[0, 1\)"),
         (lambda: create("sgd", learning_rate=-1), "learning_rate must be >= 0"),
+        (lambda: create("adagrad", lr_decay=-0.5), "lr_decay must be >= 0"),  # a ZeroDivisionError at update 3
+        (lambda: create("adagrad", initial_accumulator_value=-1), "initial_accumulator_value must be >= 0"),  # NaN weights
+        (lambda: create("sgd", lr_scheduler={"name": "step", "step": 2, "factor": -0.5}), "factor must be a number >= 0"),
+        (lambda: create("sgd", lr_scheduler={"name": "cosine", "max_update": 9, "final_lr": -1}), "final_lr must be a number >= 0"),
         (lambda: create("sgd", lr_scheduler={"name": "exp"}), "unknown lr_scheduler"),
         (lambda: create("sgd", lr_scheduler={"name": "step"}), "needs 'step'"),
         (lambda: Optimizer.from_description({"name": "sgd", "code": "import os"}), "not an optimizer description"),
