@@ -309,6 +309,8 @@ class Optimizer:
     def update(self, key: int, grad: Tensor, weight: Tensor, grad_is_scratch: bool = False, rescale: Optional[float] = None) -> None:
         """Update ``weight`` of ``key`` in place, ``grad`` times ``rescale`` (None: ``rescale_grad``). ``grad`` is not
         modified unless ``grad_is_scratch`` (then the update works in it, else a dense gradient may be copied once)."""
+        if grad.numel() != weight.numel() and not grad.is_sparse:  # (torch's fused SGD read past the gradient's end)
+            raise OptimizerError(f"key {key}: a gradient of shape {tuple(grad.shape)} for a value of shape {tuple(weight.shape)}")
         st = self._key_state(key, weight)
         h, lr = self._hyper, self._lr(self.num_update)
         scale = float(h["rescale_grad"]) if rescale is None else rescale

@@ -278,3 +278,12 @@ def test_a_state_not_shaped_like_its_value_is_refused() -> None:
     with pytest.raises(pskv.OptimizerError, match=r"key 0: its optimizer state is not the size of its value \(6,\)"):
         opt.update(0, torch.ones(6), weight)
     assert weight.tolist() == [0.0] * 6
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_a_gradient_not_shaped_like_its_value_is_refused(name: str) -> None:
+    """sgd's fused kernel read past the end of a smaller gradient (garbage weights); adam raised torch's broadcast error."""
+    weight = torch.zeros(5)
+    with pytest.raises(pskv.OptimizerError, match=r"key 3: a gradient of shape \(2,\) for a value of shape \(5,\)"):
+        create(name, learning_rate=1.0).update(3, torch.ones(2), weight)
+    assert weight.tolist() == [0.0] * 5
