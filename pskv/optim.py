@@ -272,7 +272,7 @@ class Optimizer:
     def __repr__(self) -> str:
         changed = [f"{k}={v}" for k, v in self._hyper.items() if v != self._defaults[k]]
         sched = f", lr_scheduler={self._schedule}" if self._schedule else ""
-        return f"pskv.optim.create({self.name!r}, {', '.join(changed)}{sched})"
+        return f"pskv.optim.create({', '.join([repr(self.name), *changed])}{sched})"
 
     @property
     def learning_rate(self) -> float:

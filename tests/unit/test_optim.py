@@ -181,7 +181,8 @@ def test_description_roundtrip_is_plain_data() -> None:
 
     again = Optimizer.from_description(json.loads(json.dumps(desc)))
     assert again.describe() == desc
-    assert "adam" in repr(opt)
+    assert repr(opt) == "pskv.optim.create('adam', wd=0.0001, lr_scheduler={'name': 'step', 'step': 10, 'factor': 0.5})"
+    assert repr(create("sgd")) == "pskv.optim.create('sgd')"  # (it said "create('sgd', )", in error messages too)
 
 
 @pytest.mark.parametrize(
