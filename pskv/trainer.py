@@ -155,8 +155,8 @@ class Trainer:
             self.pull_weights()  # worker 0's, everywhere
             if self._update_on_kvstore and not self._async:
                 kv.set_optimizer(optimizer)
-            elif self._update_on_kvstore:  # dist_async: the first step sends it, with its 1/batch_size (sent now, it reset
-                self._sent_scale = float("nan")  # the states and scale of servers that another worker's steps had set)
+            elif self._update_on_kvstore:  # dist_async: the first step sends it (sent now, it reset the states of
+                self._sent_scale = float("nan")  # servers that another worker's steps had set); each push brings its 1/batch_size
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
@@ -331,11 +331,11 @@ class Trainer:
             raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")  # (numpy's numbers too)
         batch_size = float(batch_size)
         scale = self._scale / batch_size
-        self._optimizer.set_rescale_grad(scale)
-        # dist_sync: the scale goes with the pulls of the held round; dist_async: to the servers' optimizer
-        if self._update_on_kvstore and self._kv is not None and not self._held and scale != self._sent_scale:
-            self._kv.set_optimizer(self._optimizer)
-            self._sent_scale = scale
+        if not self._async:  # dist_sync: the scale goes with the pulls of the held round; dist_async: with each push
+            self._optimizer.set_rescale_grad(scale)
+        if self._update_on_kvstore and self._kv is not None and not self._held and self._optimizer.rescale_grad != self._sent_scale:
+            self._kv.set_optimizer(self._optimizer)  # (dist_async: once, every worker's the same, its own rescale_grad)
+            self._sent_scale = self._optimizer.rescale_grad
         return scale
 
     def _unsent(self, ignore_stale_grad: bool) -> tuple[list[int], list[list[Tensor]]]:
@@ -384,7 +384,7 @@ class Trainer:
         rest, grads = self._unsent(ignore_stale_grad)
         rescale = scale if self._held else None
         if rest:  # the store's calls run under torch.no_grad()
-            self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held)
+            self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held, _rescale=scale if self._async else None)
         if self._overlap:  # runs of keys in layer order: a layer's forward waits only for its run's pull
             for run in self._runs:
                 handle = self._kv.pull([self._keys[i] for i in run], [[rep[i] for rep in self._reps] for i in run],

@@ -200,11 +200,12 @@ class KVStore:
         self._keys.update((k, meta) for k, (meta, _) in new.items())
 
     @_locked
-    def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False) -> Optional[Handle]:
+    def push(self, key: KeyArg, value: ValueArg, priority: int = 0, wait: bool = True, *, _held: bool = False,
+             _rescale: Optional[float] = None) -> Optional[Handle]:
         """Push ``value`` (a tensor or a list of per-device tensors, summed) to ``key`` (docs/SPEC.md,
         section 2). ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
-        the next call fail. ``_held``: for the Trainer (docs/DESIGN.md, "Held rounds")."""
-        handle = self._push_impl(self._pushed(key, value), _priority(priority), wait, _held)
+        the next call fail. ``_held``, ``_rescale`` (its update's, not the optimizer's): for the Trainer (docs/DESIGN.md, "Held rounds")."""
+        handle = self._push_impl(self._pushed(key, value), _priority(priority), wait, _held, _rescale)
         return None if wait else handle or Handle()
 
     @_locked
@@ -362,7 +363,7 @@ class KVStore:
         for meta, v in items:
             self._values[meta.id] = v.detach().to(self._device(v), copy=True).to_dense()  # a no-op if dense
 
-    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool, rescale: Optional[float]) -> Optional[Handle]:
         for meta, values in items:
             if self._optimizer is not None:  # (before the residual changes)
                 updatable(meta.dtype, meta)
@@ -372,7 +373,7 @@ class KVStore:
                           for i, v in enumerate(values)]
             stored = self._values[meta.id]
             merged = reduce_values(values, self._device(values[0])).to(stored.device)
-            apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True)  # merged is ours
+            apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True, rescale=rescale)  # merged is ours
         return None
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
@@ -384,7 +385,7 @@ class KVStore:
 
     def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:
         """Push ``items`` and pull into ``outs`` (dense) as one operation; here: push, then pull."""
-        self._push_impl(items, priority, wait, False)
+        self._push_impl(items, priority, wait, False, None)
         return self._pull_impl(outs, priority, wait, None)
 
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None:

@@ -119,9 +119,9 @@ class DistStore(KVStore):
         self._client.wait([self._client.send(s, Message(Type.INIT, meta={**head, "parts": rows}, frames=frames),
                                              f"init of {len(rows)} parts") for s, (rows, frames) in batches.items()])
 
-    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool) -> Optional[Handle]:
+    def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool, rescale: Optional[float]) -> Optional[Handle]:
         t0 = timeline.now()
-        handle = self._queue_push(items, self._client.handle(), None, wait, int(held), priority)
+        handle = self._queue_push(items, self._client.handle(), None, wait, int(held), priority, rescale)
         timeline.span("push (copy in, queue)", t0, keys=len(items))
         if wait:  # the caller may change its tensors once push returns: wait until zmq has the bytes
             self._client.flush()
@@ -134,7 +134,8 @@ class DistStore(KVStore):
         handle, bufs = self._sinks(outs)
         return self._done(self._queue_push(items, handle, bufs, wait, 0, priority), wait)
 
-    def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int, priority: int) -> Handle:
+    def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int, priority: int,
+                    rescale: Optional[float] = None) -> Handle:
         """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values.
         The GPU values' parts are copied to their page-locked slots together (:meth:`_copy`), and
         their rows wait for that copy's CUDA event (the I/O thread waits for it, not the caller)."""
@@ -153,7 +154,7 @@ class DistStore(KVStore):
         staged: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}  # per GPU: (slot, piece) to copy
         waiting = []  # the GPU values' rows, queued once their copy is
         for i, (meta, values) in enumerate(items):
-            for p, row, frames, gpu in self._push_parts(meta, values, borrow, held, int(bufs is not None), staged):
+            for p, row, frames, gpu in self._push_parts(meta, values, borrow, [held, int(bufs is not None), 0 if rescale is None else float_bits(rescale)], staged):
                 entry = (handle, None, None) if bufs is None else (handle, self._sink(handle, meta, bufs[i], p), meta.dtype)
                 if gpu is None:  # queued now: a full batch leaves while the next keys are copied
                     put(meta, p, row, frames, entry)
@@ -179,11 +180,11 @@ class DistStore(KVStore):
             t.record_stream(stream)
         return done
 
-    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, held: int, reply: int,
+    def _push_parts(self, meta: KeyMeta, values: list[Tensor], borrow: bool, tail: list[int],
                     staged: dict[torch.device, list[tuple[Tensor, Tensor]]]) -> list[tuple[Part, list[int], list[Any], Optional[torch.device]]]:
         """Each part of one key's push: its PUSH row, payload frames (none through shared memory) and,
         for a GPU value, its device (the part is added to ``staged``, to be copied to its page-locked
-        slot). ``borrow``: one contiguous CPU tensor goes on the wire as it is."""
+        slot). ``borrow``: one contiguous CPU tensor goes on the wire as it is; ``tail``: the rows' held, reply, rescale."""
         rounds = list(self._rounds(meta))  # waits for earlier pulls first
         if any(v.is_sparse for v in values) and not all(v.is_sparse for v in values):  # dense and row-sparse: their
             values = [reduce_values(values, values[0].device)]  # dense sum, as the local store pushes
@@ -227,7 +228,7 @@ class DistStore(KVStore):
                 if merged_flat is None:
                     merged_flat = reduce_values(values, torch.device("cpu")).reshape(-1)
                 frames = [tensor_frame(merged_flat[p.start : p.stop])]
-            out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, held, reply], frames, values[0].device if gpu else None))
+            out.append((p, [meta.id, p.index, round_, kind, len(frames), *home, *tail], frames, values[0].device if gpu else None))
         for p, round_, _ in rounds:
             self._round_sent[(meta.id, p.index)] = round_
         return out

@@ -181,7 +181,7 @@ class WorkerClient(Node):
                 if i:
                     if kind == Type.PULL and not row[5]:
                         break  # a pull without a rescale: the backup has nothing to learn from it
-                    row = (*row[:8], 0) if kind == Type.PUSH else (*row[:3], 0, row[4], row[5], 1)
+                    row = (*row[:8], 0, row[9]) if kind == Type.PUSH else (*row[:3], 0, row[4], row[5], 1)  # (no reply)
                     entry = (entry[0], None, None)  # acknowledged: nothing to copy
                 self._queued_rows += 1
                 self._pending.setdefault((s, kind), []).append(Queued(row, frames, entry, ready, nbytes, priority, self._queued_rows))

@@ -98,7 +98,7 @@ class PushKind(enum.IntEnum):
 #: at ``offset`` in the sender's shared-memory arena ``fd`` instead; ``held`` 1: the round's
 #: update waits for the rescale a pull brings; ``reply`` 1: answered with the part's value once
 #: its round is complete (docs/DESIGN.md, "The exchange as a pipeline")
-PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held", "reply")
+PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held", "reply", "rescale")
 #: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
 #: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
 #: ids (int64, local to the part) come in the next row-id frame; ``rescale``: 0, or the bits of a

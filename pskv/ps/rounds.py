@@ -62,6 +62,7 @@ class PushEntry(NamedTuple):
     ack_when_merged: bool  # the bytes are the worker's (shared memory): it may reuse them once merged
     held: bool = False  # the round's update waits for the rescale a pull brings (Trainer.step)
     reply: bool = False  # answered with the value once its round is complete, not acknowledged
+    rescale: Optional[float] = None  # (async) its update's, not the optimizer's
 
 
 class PullEntry(NamedTuple):
@@ -197,7 +198,7 @@ class Rounds:
             p.pushed[rank] = e.round
             if p.mode == "async":
                 assert p.value is not None
-                apply_push(self.optimizer, p.state_key, e.grad, p.value)
+                apply_push(self.optimizer, p.state_key, e.grad, p.value, rescale=e.rescale)
                 out.append(self._answer(p, Answer(req, i)) if e.reply else Answer(req, i))
                 continue
             ack = Answer(req, i, e.round) if e.ack_when_merged and not e.reply else None

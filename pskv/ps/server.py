@@ -69,6 +69,14 @@ class _Frames:
             raise ProtocolError(f"a {self.what} has more payload frames than it announces")
 
 
+def _rescale(row: Any) -> Optional[float]:
+    """A PUSH or PULL row's rescale (0: none), a finite float."""
+    rescale = bits_float(row.rescale) if row.rescale else None
+    if rescale is not None and not math.isfinite(rescale):
+        raise ProtocolError(f"a row with rescale {rescale}")
+    return rescale
+
+
 class Server(Node):
     """One server process (or thread, in tests); :meth:`run` returns the exit status."""
 
@@ -256,7 +264,7 @@ class Server(Node):
             for row in PUSH.unpack(frames.take()):
                 p = self.rounds.part(row.key, row.part)
                 grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank)
-                entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply)))
+                entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply), _rescale(row)))
                 req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         return entries
 
@@ -303,10 +311,7 @@ class Server(Node):
         with _Frames(msg) as frames:
             for row in PULL.unpack(frames.take()):
                 wanted = frame_tensor(frames.take(), torch.int64) if row.rows else None
-                rescale = bits_float(row.rescale) if row.rescale else None
-                if rescale is not None and not math.isfinite(rescale):
-                    raise ProtocolError(f"a pull with rescale {rescale}")
-                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, rescale, bool(row.mirror)))
+                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, _rescale(row), bool(row.mirror)))
                 req.shm.append(bool(row.shm))
         return entries
 

@@ -357,9 +357,9 @@ def test_malformed_and_hostile_messages_get_errors_and_the_server_keeps_serving(
             [b"\x00" * HEADER.size],
             [HEADER.pack(MAGIC, 2, 99, 1, 0)],
             [pickle.dumps(Evil())],
-            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 1, 0, 1, -1, 0, 0, 0)]), b"\x00" * 3])),  # wrong size
-            encode(Message(Type.PUSH, frames=[PUSH.pack([(42, 0, 1, 0, 1, -1, 0, 0, 0)]), b"\x00" * 16])),  # unknown key
-            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 5, 0, 1, -1, 0, 0, 0)]), b"\x00" * 16])),  # a round skipped
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 1, 0, 1, -1, 0, 0, 0, 0)]), b"\x00" * 3])),  # wrong size
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(42, 0, 1, 0, 1, -1, 0, 0, 0, 0)]), b"\x00" * 16])),  # unknown key
+            encode(Message(Type.PUSH, frames=[PUSH.pack([(0, 0, 5, 0, 1, -1, 0, 0, 0, 0)]), b"\x00" * 16])),  # a round skipped
             encode(Message(Type.PUSH, frames=[b"\x00" * 7])),  # not a table
             init(dtype="object"),
             init(numel=-5),

@@ -17,7 +17,19 @@ from hypothesis import strategies as st
 
 from pskv.errors import ProtocolError
 from pskv.ps import server as server_module
-from pskv.ps.message import HEADER, MAGIC, PULL, PUSH, VERSION, Message, Type, decode, encode, tensor_frame
+from pskv.ps.message import (
+    HEADER,
+    MAGIC,
+    PULL,
+    PUSH,
+    VERSION,
+    Message,
+    Type,
+    decode,
+    encode,
+    float_bits,
+    tensor_frame,
+)
 
 TYPES = [int(t) for t in Type]
 DTYPE_NAMES = [
@@ -93,6 +105,7 @@ def generated(rng: random.Random) -> Message:
                     0,
                     rng.randrange(2),
                     rng.randrange(2),
+                    rng.choice([0, 0, float_bits(0.25), float_bits(float("nan"))]),  # a rescale (async), or none
                 ]
             else:
                 row[:] = [row[0] % 8, row[1] % 2, rng.randrange(4), 0, rng.randrange(2), 0, rng.randrange(2)]
@@ -245,7 +258,7 @@ def test_a_server_takes_100000_generated_and_mutated_requests(monkeypatch: pytes
         grad = torch.full((4,), rank + 1.0)
         off.send(
             f"v{rank}",
-            Message(Type.PUSH, 3, None, [PUSH.pack([(key, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(grad)]),
+            Message(Type.PUSH, 3, None, [PUSH.pack([(key, 0, 1, 0, 1, -1, 0, 0, 0, 0)]), tensor_frame(grad)]),
         )
     answer = off.send("v0", Message(Type.PULL, 4, None, [PULL.pack([(key, 0, 1, 0, 0, 0, 0)])]))[-1]
     assert answer.type == Type.DATA, answer.meta

@@ -133,6 +133,37 @@ def test_dist_async_scales_each_step_by_its_own_batch_size(inproc_job: Job, over
     assert inproc_job(1, 1).run_workers(body, "dist_async") == [[-2.0, -2.0]]  # 1 - 8/4 - 8/8
 
 
+def test_dist_async_workers_with_different_batch_sizes_each_get_their_own_scale(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The servers held one rescale, the last a worker's step sent: every worker's push took it (worker 0's
+    steps of 1 sample were scaled by 1/4), and each worker's first step, sending another description,
+    started the servers' momentum afresh. Each push now brings its own 1/batch_size."""
+    import threading
+
+    turns = [threading.Event() for _ in range(7)]  # the steps alternate: worker 0, 1, 0, 1, ...
+    turns[0].set()
+
+    def body(kv: KVStore) -> list[float]:
+        w = _ones_param(2)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv)
+        batch = 1 if kv.rank == 0 else 4
+        for turn in range(kv.rank, 6, 2):
+            assert turns[turn].wait(30)
+            w.grad = torch.full((2,), float(batch))  # g / batch = 1 for either worker
+            tr.step(batch)
+            tr.synchronize()
+            turns[turn + 1].set()
+        assert turns[6].wait(30)
+        tr.pull_weights()
+        return w.tolist()
+
+    # six updates of a gradient of 1, one momentum buffer: 1, 1.5, 1.75, 1.875, 1.9375, 1.96875
+    assert inproc_job(2, 1).run_workers(body, "dist_async") == [[1 - 10.03125] * 2] * 2
+    for turn in turns[1:]:
+        turn.clear()
+    monkeypatch.setenv("PSKV_REPLICAS", "1")  # the backup's copy of each push brings its rescale too
+    assert inproc_job(2, 2).run_workers(body, "dist_async") == [[1 - 10.03125] * 2] * 2
+
+
 def test_a_trainer_made_late_on_dist_async_keeps_the_servers_optimizer(inproc_job: Job) -> None:
     """Worker 1 makes its Trainer after worker 0's steps: its optimizer (rescale 1, no states yet) replaced the
     servers' (rescale 1/4, momentum buffers), so worker 0's next step took a fresh buffer at 4 x the scale."""

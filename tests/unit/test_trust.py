@@ -54,7 +54,7 @@ def _forgeries() -> list[list[Any]]:
     parts = [[0, 0, "float32", 1 << 27, 1, False, "x"]]
     return [
         encode(Message(Type.HELLO, 1, {"rank": 1, "answers": True})),
-        encode(Message(Type.PUSH, 2, None, [PUSH.pack([(0, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(torch.full((8,), 1000.0))])),
+        encode(Message(Type.PUSH, 2, None, [PUSH.pack([(0, 0, 1, 0, 1, -1, 0, 0, 0, 0)]), tensor_frame(torch.full((8,), 1000.0))])),
         encode(Message(Type.SET_OPTIMIZER, 3, {"optimizer": sgd, "keep_states": False})),
         encode(Message(Type.PULL, 4, None, [PULL.pack([(0, 0, 0, 0, 0, 0, 0)])])),
         encode(Message(Type.GET_STATES, 5)),
@@ -224,7 +224,7 @@ def test_a_nonfinite_push_fails_and_changes_nothing(offline_server: Any, bad: fl
     off.send("w0", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}, [tensor_frame(init)]))
     off.send("w1", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}))
     grad = torch.tensor([1.0, bad, 0.0, 0.0])
-    answer = off.send("w1", Message(Type.PUSH, 2, None, [PUSH.pack([(5, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(grad)]))[-1]
+    answer = off.send("w1", Message(Type.PUSH, 2, None, [PUSH.pack([(5, 0, 1, 0, 1, -1, 0, 0, 0, 0)]), tensor_frame(grad)]))[-1]
     assert answer.type == Type.ERROR and answer.meta["kind"] == "NonFiniteError"
     assert "worker 1 pushed NaN or Inf to key w part 0" in answer.meta["message"]
     part = off.server.rounds.part(5, 0)
@@ -243,7 +243,7 @@ def test_the_nonfinite_check_is_exact(offline_server: Any, dtype: str, values: l
     off.send("w0", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}, [tensor_frame(torch.zeros(2, dtype=torch_dtype))]))
     off.send("w1", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}))
     grad = torch.tensor(values, dtype=torch_dtype)
-    answer = off.send("w1", Message(Type.PUSH, 2, None, [PUSH.pack([(5, 0, 1, 0, 1, -1, 0, 0, 0)]), tensor_frame(grad)]))[-1]
+    answer = off.send("w1", Message(Type.PUSH, 2, None, [PUSH.pack([(5, 0, 1, 0, 1, -1, 0, 0, 0, 0)]), tensor_frame(grad)]))[-1]
     assert (answer.type != Type.ERROR) == finite, answer.meta
     assert off.server.rounds.part(5, 0).pushed.get(1, 0) == int(finite)
 
