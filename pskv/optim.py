@@ -235,7 +235,7 @@ class Optimizer:
         for key, value in hyper.items():
             if key not in new:
                 hint = f"; did you mean {_ALIASES[key]!r}?" if key in _ALIASES else ""
-                takes = ", ".join(sorted(new))
+                takes = ", ".join(sorted([*new, "lr_scheduler"]))
                 raise OptimizerError(f"optimizer {self.name!r} has no hyperparameter {key!r}{hint} (it takes: {takes})")
             if key == "clip_gradient" and value is None:
                 value = -1.0

@@ -190,6 +190,7 @@ def test_description_roundtrip_is_plain_data() -> None:
     [
         (lambda: create("rmsprop"), "unknown optimizer 'rmsprop'"),
         (lambda: create("sgd", lr=0.1), "did you mean 'learning_rate'"),
+        (lambda: create("adam", momentum=0.9), r"it takes: beta1, beta2, clip_gradient, epsilon, learning_rate, lr_scheduler, rescale_grad, wd\)"),
         (lambda: create("sgd", learning_rate="0.1"), "learning_rate must be a finite number"),
         (lambda: create("sgd", learning_rate=float("nan")), "finite number"),
         (lambda: create("sgd", nesterov=True), "nesterov needs momentum"),
