@@ -33,6 +33,8 @@ def test_main_job_command_writes_report_and_plot(tmp_path: Path) -> None:
         assert isinstance(final[field], float), field
     assert 0.3 < final["test_acc"] <= 1.0, final  # one epoch of digits is far above chance (0.1)
     assert final["samples_per_sec"] > 0 and final["seconds"] > 0
+    epoch = data["epochs"][0]  # "per worker" is the workers' mean (it was worker 0's own rate)
+    assert epoch["samples_per_sec_per_worker"] == pytest.approx(epoch["samples_per_sec"] / 2, rel=1e-12), epoch
     png = plot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
