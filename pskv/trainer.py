@@ -153,10 +153,8 @@ class Trainer:
             self._keys = _own_keys(kv, self._keys)
             kv.init(self._keys, [t.detach() for t in self._reps[0]])
             self.pull_weights()  # worker 0's, everywhere
-            if self._update_on_kvstore and not self._async:
+            if self._update_on_kvstore:  # (dist_async: every worker's is the same, its own rescale_grad; each push brings its 1/batch_size)
                 kv.set_optimizer(optimizer)
-            elif self._update_on_kvstore:  # dist_async: the first step sends it (sent now, it reset the states of
-                self._sent_scale = float("nan")  # servers that another worker's steps had set); each push brings its 1/batch_size
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
@@ -334,7 +332,7 @@ class Trainer:
         if not self._async:  # dist_sync: the scale goes with the pulls of the held round; dist_async: with each push
             self._optimizer.set_rescale_grad(scale)
         if self._update_on_kvstore and self._kv is not None and not self._held and self._optimizer.rescale_grad != self._sent_scale:
-            self._kv.set_optimizer(self._optimizer)  # (dist_async: once, every worker's the same, its own rescale_grad)
+            self._kv.set_optimizer(self._optimizer)
             self._sent_scale = self._optimizer.rescale_grad
         return scale
 
@@ -441,8 +439,6 @@ class Trainer:
         """Restore states written by :meth:`save_states` (to the servers when they run the optimizer)."""
         self.synchronize()
         if self._update_on_kvstore and self._kv is not None:
-            if self._async:  # the optimizer the first step sends: the same object then, so the loaded states stay
-                self._kv.set_optimizer(self._optimizer)
             self._kv.load_optimizer_states(path)
             self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
         else:

@@ -211,6 +211,22 @@ def test_states_loaded_on_dist_async_survive_the_first_step(inproc_job: Job, tmp
     assert torch.load(tmp_path / "after", weights_only=True)["num_update"] == 3
 
 
+def test_states_saved_before_the_first_step_on_dist_async(inproc_job: Job, tmp_path: Path) -> None:
+    """The Trainer sent its optimizer with its first step: save_states before it (a checkpoint at epoch 0)
+    failed with "no optimizer is set on the servers; call set_optimizer first", a call a Trainer makes."""
+    def body(kv: KVStore) -> list[float]:
+        w = _ones_param(2)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0, "momentum": 0.5}, kvstore=kv)
+        tr.save_states(tmp_path / "states")
+        tr.load_states(tmp_path / "states")
+        for batch in (4, 2):
+            w.grad = torch.full((2,), float(batch))
+            tr.step(batch)  # g / batch = 1: buffers 1, 1.5
+        return w.tolist()
+
+    assert inproc_job(1, 1).run_workers(body, "dist_async") == [[-1.5, -1.5]]
+
+
 def test_update_on_the_workers_refuses_a_store_that_runs_an_optimizer() -> None:
     """Its pulls brought updated weights where the Trainer expected the summed gradients (no error)."""
     kv = pskv.kv.create("local")
