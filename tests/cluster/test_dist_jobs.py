@@ -56,8 +56,8 @@ def test_dist_async(tmp_path: Path) -> None:
     except pskv.OptimizerRequiredError as exc:
         print("refused:", exc)
     kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.01))
-    for _ in range(5):
-        kv.push("w", torch.full((1300, 1000), kv.rank + 1.0))
+    for handle in [kv.push("w", torch.full((1300, 1000), kv.rank + 1.0), wait=False) for _ in range(5)]:
+        handle.wait()  # applied (a push returns once its bytes are sent; MXNet's test called kv.wait here)
     kv.barrier()
     out = torch.empty(1300, 1000)
     kv.pull("w", out)
