@@ -62,28 +62,28 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
 
 class _FirstReads(TorchFunctionMode):
     """Inside the outermost module forwards before the first step, in the thread that made the Trainer:
-    the module whose forward started last before each parameter's first read (``where``: a parameter's
-    id to its index). Not inside torch.compile's module (it would compile the recording)."""
+    the modules whose forwards run at each parameter's first read, outermost first (``where``: a
+    parameter's id to its index). Not inside torch.compile's module (it would compile the recording)."""
 
     def __init__(self, where: dict[int, int]):
         super().__init__()
-        self.where, self.module, self.depth, self.first = where, 0, 0, cast(dict[int, int], {})
+        self.where, self.running, self.first = where, cast(list[int], []), cast(dict[int, tuple[int, ...]], {})
         self.thread = threading.get_ident()
 
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: Sequence[Any] = (), kwargs: Optional[dict[str, Any]] = None) -> Any:
         for t in tree_leaves((args, kwargs)):
             if (i := self.where.get(id(t))) is not None:
-                self.first.setdefault(i, self.module)
+                self.first.setdefault(i, (*self.running,))
         return func(*args, **(kwargs or {}))
 
     def starts(self, module: torch.nn.Module) -> None:
-        self.module, self.depth = id(module), self.depth + 1
-        if self.depth == 1 and "_orig_mod" not in module._modules:
+        self.running.append(id(module))
+        if len(self.running) == 1 and "_orig_mod" not in module._modules:
             self.__enter__()  # type: ignore[no-untyped-call]
 
     def ends(self, module: torch.nn.Module) -> None:
-        self.depth -= 1
-        if self.depth == 0 and "_orig_mod" not in module._modules:
+        self.running.pop()
+        if not self.running and "_orig_mod" not in module._modules:
             self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
 
@@ -172,9 +172,9 @@ class Trainer:
         self._overlap = bool(overlap)
         if kv is not None:  # (made: the Trainers on a store, while they live)
             kv.__dict__.setdefault("_trainers", weakref.WeakSet()).add(self)
-        # the forwards before the first step (no pull in flight yet) show which forward each parameter's
-        # first read follows (a module reads a child's weights before, or without, calling it:
-        # MultiheadAttention its out_proj's): later, that forward waits for it
+        # the forwards before the first step (no pull in flight yet) show where each parameter's first read
+        # is (a module reads a child's weights before, or without, calling it: MultiheadAttention its
+        # out_proj's): later, the innermost forward running then of a module that holds it waits for it
         self._called: Optional[dict[int, torch.nn.Module]] = {} if self._overlap else None
         self._reads: dict[int, list[int]] = {}
         self._eager: list[int] = []  # keys no module's forward waits for (plain tensors, .forward() calls): step does
@@ -214,7 +214,7 @@ class Trainer:
                         trainer._inflight.pop(i).wait()
                         timeline.span(f"wait {trainer._keys[i]}", t0)
         def after_forward(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if not torch.compiler.is_compiling() and reads.depth and threading.get_ident() == reads.thread:
+            if not torch.compiler.is_compiling() and reads.running and threading.get_ident() == reads.thread:
                 reads.ends(module)
 
         hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
@@ -356,7 +356,8 @@ class Trainer:
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)
         if self._called is not None:  # the first step
-            for i, m in self._first_reads.first.items():
+            for i, running in self._first_reads.first.items():  # its first read's innermost forward of a module that holds it waits, else the outermost
+                m = next((m for m in running[::-1] if any(self._where.get(id(p)) == i for p in self._called[m].parameters())), running[0])
                 self._reads.setdefault(m, []).append(i)
             waited = {self._where.get(id(t)) for m in self._called.values() for t in m._parameters.values()}.union(self._first_reads.first)
             self._eager, self._called = [i for i in range(len(self._keys)) if i not in waited], None

@@ -758,16 +758,44 @@ class _ReadsFirst(nn.Module):
         return self.b(torch.tanh(self.a(torch.nn.functional.linear(x, self.a.weight))))
 
 
-@pytest.mark.parametrize("model", ["reads a child's weight first", "MultiheadAttention"])
+class _ReadsAfter(nn.Module):
+    """Reads its child's weight (not calling it) after a module it calls on odd calls only, or one it makes."""
+
+    def __init__(self, made: bool) -> None:
+        super().__init__()
+        self.lin, self.drop, self.made, self.calls = nn.Linear(4, 2), nn.Dropout(0.0), made, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = nn.Tanh()(x) if self.made else self.drop(x) if self.calls % 2 else x
+        return torch.nn.functional.linear(x, self.lin.weight, self.lin.bias)
+
+
+def _compiled_child() -> nn.Module:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    net[0].compile(backend="aot_eager")  # (its graph, run as a module, changes after the first step)
+    return net
+
+
+_FIRST_READS: dict[str, Callable[[], nn.Module]] = {"reads a child's weight first": _ReadsFirst, "MultiheadAttention": _Attention,
+    "after a module called on odd steps": lambda: _ReadsAfter(False), "after a module made in forward": lambda: _ReadsAfter(True),
+    "a child compiled with aot_eager": _compiled_child}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:Using `torch.compile:UserWarning")
+@pytest.mark.parametrize("model", list(_FIRST_READS))
 def test_overlap_waits_for_a_parameter_before_its_first_read(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, model: str) -> None:
     """A module that reads a child's weight before calling that child read it while its pull was in
     flight (the child's forward waited, too late): from the second step on, the weights from before the
-    last update. The first step's forward shows which forward each parameter's first read follows."""
+    last update. The first step's forward shows which forward each parameter's first read follows.
+    That was the forward that started last before it: one that ran before the read (called on some
+    steps only, made anew in each forward, torch.compile's graph) did not wait later. Now the innermost
+    running forward of a module that holds it waits, else the outermost."""
     monkeypatch.setattr("pskv.trainer.RUN_BYTES", 64)  # a run per parameter
 
     def body(kv: KVStore, overlap: bool) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        net = _ReadsFirst() if model != "MultiheadAttention" else _Attention()
+        net = _FIRST_READS[model]()
         tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1, "momentum": 0.9}, kvstore=kv, overlap=overlap)
         for step in range(4):
             net.zero_grad()
