@@ -356,6 +356,8 @@ class Trainer:
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)
         if self._called is not None:  # the first step
+            if torch.overrides._get_current_function_mode_stack()[-1:] == [self._first_reads]:  # type: ignore[no-untyped-call]
+                self._first_reads.__exit__(None, None, None)  # type: ignore[no-untyped-call]  # (a forward cut short by KeyboardInterrupt)
             for i, running in self._first_reads.first.items():  # its first read's innermost forward of a module that holds it waits, else the outermost
                 m = next((m for m in running[::-1] if any(self._where.get(id(p)) == i for p in self._called[m].parameters())), running[0])
                 self._reads.setdefault(m, []).append(i)

@@ -807,6 +807,31 @@ def test_overlap_waits_for_a_parameter_before_its_first_read(inproc_job: Job, mo
     _same_with_overlap(inproc_job, body)
 
 
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_a_first_forward_cut_short_leaves_no_recorder_behind(inproc_job: Job, error: type[BaseException]) -> None:
+    """The first steps' forwards record inside a TorchFunctionMode that the hook after the outermost forward
+    leaves; after a KeyboardInterrupt (Ctrl-C in a notebook) no hook runs: it stayed on the thread's stack for
+    good, every torch call going through it (forwards 50% slower). The first step leaves it."""
+
+    def body(kv: KVStore) -> list[Any]:
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv, overlap=True)
+        def stop(*args: Any) -> None:
+            raise error()
+
+        hook = net[1].register_forward_hook(stop)
+        with pytest.raises(error):
+            net(torch.ones(2, 4))
+        hook.remove()
+        for _ in range(2):
+            net(torch.ones(2, 4)).sum().backward()
+            tr.step(2)
+        tr.synchronize()
+        return torch.overrides._get_current_function_mode_stack()
+
+    assert inproc_job(1, 1).run_workers(body) == [[]]
+
+
 @pytest.mark.filterwarnings("ignore:Using `torch.compile:UserWarning")  # (torch's: the global hooks fire for its wrapper too)
 @pytest.mark.parametrize("how", ["torch.compile(net)", "net.compile()"])
 def test_overlap_with_a_compiled_model(inproc_job: Job, how: str) -> None:
