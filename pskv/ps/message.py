@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"PSKV"
-VERSION = 2
+VERSION = 3  # 3: PUSH rows carry a rescale
 MAX_META = 1 << 20
 HEADER = struct.Struct("<4sBBxxqI")
 
