@@ -15,6 +15,7 @@ from pskv.ps.message import (
     MAGIC,
     PULL,
     PUSH,
+    VERSION,
     Message,
     Type,
     bits_float,
@@ -74,7 +75,7 @@ def test_tensor_frame_is_a_view_not_a_copy() -> None:
 
 
 def _head(**kw: int) -> bytes:
-    f = {"magic": MAGIC, "version": 2, "type": int(Type.PULL), "meta_len": 0, **kw}
+    f = {"magic": MAGIC, "version": VERSION, "type": int(Type.PULL), "meta_len": 0, **kw}
     return HEADER.pack(f["magic"], f["version"], f["type"], 0, f["meta_len"])
 
 
