@@ -153,8 +153,9 @@ class DistStore(KVStore):
 
         staged: dict[torch.device, list[tuple[Tensor, Tensor]]] = {}  # per GPU: (slot, piece) to copy
         waiting = []  # the GPU values' rows, queued once their copy is
+        tail = [held, int(bufs is not None), 0 if rescale is None else float_bits(rescale)]  # every row's held, reply, rescale
         for i, (meta, values) in enumerate(items):
-            for p, row, frames, gpu in self._push_parts(meta, values, borrow, [held, int(bufs is not None), 0 if rescale is None else float_bits(rescale)], staged):
+            for p, row, frames, gpu in self._push_parts(meta, values, borrow, tail, staged):
                 entry = (handle, None, None) if bufs is None else (handle, self._sink(handle, meta, bufs[i], p), meta.dtype)
                 if gpu is None:  # queued now: a full batch leaves while the next keys are copied
                     put(meta, p, row, frames, entry)
