@@ -404,7 +404,8 @@ def test_pskv_train_resume_needs_a_checkpoint_dir(tmp_path: Path) -> None:
     for args, said in (  # said before a job starts (they came as tracebacks from every worker)
         (["--servers", "0"], "--image-size and (with a dist store) --servers must be >= 1"),
         (["--image-size", "0"], "--image-size and (with a dist store) --servers must be >= 1"),
-        (["--model", "small_cnn", "--image-size", "13"], "must be >= 1 (--image-size >= 14 with small_cnn)"),  # (a traceback)
+        (["--model", "small_cnn", "--image-size", "13"], ">= 14 with small_cnn)"),  # (a traceback)
+        (["--image-size", "8"], "(--image-size >= 9 with resnet18"),  # (a traceback at a last batch of 1)
         (["--dataset", "cifar10"], "--dataset cifar10 reads files: --data-dir must be a folder, got None"),
         (["--dataset", "folder", "--data-dir", str(tmp_path / "none")], f"--data-dir must be a folder, got {tmp_path / 'none'}"),
     ):
