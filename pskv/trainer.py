@@ -131,6 +131,7 @@ class Trainer:
             raise TrainerError(f"kvstore must be a store type name, a KVStore or None, not {type(kvstore).__name__}")
         kv = self._kv = kvstore
         self._async = kv is not None and kv.type == "dist_async"
+        self._pace = kv.num_workers if kv is not None and self._async else 1  # the servers' updates per step: dist_async applies every worker's push
         sharing = [t._update_on_kvstore for t in kv.__dict__.get("_trainers", ())] if kv is not None else []  # of those on it
         if sharing and (update_on_kvstore or any(sharing) or self._async):
             raise TrainerError("a second Trainer on this store: a store runs one optimizer, for every key, so Trainers that "
@@ -314,7 +315,7 @@ class Trainer:
 
     @property
     def learning_rate(self) -> float:
-        """The learning rate the next step uses (a schedule applied)."""
+        """The learning rate the next step uses (a schedule applied; dist_async counts W updates a step)."""
         return self._optimizer.learning_rate
 
     def set_learning_rate(self, lr: float) -> None:
@@ -393,7 +394,7 @@ class Trainer:
                 self._inflight.update(dict.fromkeys(run, cast(Handle, handle)))
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
-        self._optimizer.num_update = max(self._optimizer.num_update, self._steps + 1)
+        self._optimizer.num_update = max(self._optimizer.num_update, (self._steps + 1) * self._pace)  # (dist_async: workers at one pace)
         self._next_step()
         for i in self._eager:
             if i in self._inflight:
@@ -446,4 +447,4 @@ class Trainer:
             self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
         else:
             self._optimizer.load_state_dict(optim.load_states(path), weights=dict(enumerate(self._reps[0])))
-        self._steps = self._optimizer.num_update  # the schedule goes on from the saved step
+        self._steps = self._optimizer.num_update // self._pace  # the schedule goes on from the saved step

@@ -193,6 +193,33 @@ def test_a_trainer_made_late_on_dist_async_keeps_the_servers_optimizer(inproc_jo
     assert inproc_job(2, 1).run_workers(body, "dist_async")[0] == [0.0, -1.5, -3.25]
 
 
+def test_the_learning_rate_on_dist_async_counts_every_workers_updates(inproc_job: Job, tmp_path: Path) -> None:
+    """The servers apply every worker's push, so after 3 steps of each of 2 workers the schedule is at
+    update 6; the Trainer counted its own 3 and said the rate of update 4 (0.125, not 0.015625)."""
+    import threading
+
+    stepped = threading.Barrier(2, timeout=30)
+
+    def body(kv: KVStore) -> list[float]:
+        w = _ones_param(2)
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0, "lr_scheduler": {"name": "step", "step": 1, "factor": 0.5}}, kvstore=kv)
+        for _ in range(3):
+            w.grad = torch.ones(2)
+            tr.step(1)
+        tr.synchronize()
+        stepped.wait()
+        said = tr.learning_rate
+        tr.save_states(tmp_path / f"states{kv.rank}")
+        stepped.wait()
+        tr.load_states(tmp_path / f"states{kv.rank}")  # from the servers' count (6): this worker's 3 steps
+        stepped.wait()
+        w.grad = torch.ones(2)
+        tr.step(1)
+        return [said, torch.load(tmp_path / f"states{kv.rank}", weights_only=True)["num_update"], tr.learning_rate]
+
+    assert inproc_job(2, 1).run_workers(body, "dist_async") == [[0.5**6, 6, 0.5**8]] * 2
+
+
 def test_states_loaded_on_dist_async_survive_the_first_step(inproc_job: Job, tmp_path: Path) -> None:
     """Saved after a short last batch (the servers' rescale 1/2), loaded by a new job: its first step (rescale
     1/4) replaced the loaded optimizer with the Trainer's, so the momentum buffer (1.5) and the count restarted."""
