@@ -316,6 +316,7 @@ class Backend:
     slack = 0.0  # seconds added to --timeout (time in a queue)
     ctx: Optional[ProcessContext] = None  # the job's processes, once run_job has started
     queued = False  # the cluster may queue some processes while others run (sge, yarn, kubernetes)
+    merges = True  # merge the job's timeline files when it ends (sbatch: the launcher inside the allocation does)
 
     def __init__(self, spec: JobSpec):
         self.spec = spec
@@ -436,6 +437,24 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
             with contextlib.suppress(OSError):
                 os.close(fd)
         backend.close(status)
+        if ctx.procs and backend.merges:  # the job ran from here (not submitted)
+            merge_timelines(spec, ctx)
+
+
+def merge_timelines(spec: JobSpec, ctx: ProcessContext) -> None:
+    """Merge the servers' and workers' timeline files (``PSKV_TIMELINE``, for some roles only with
+    --env-server/--env-worker) that this host sees: all on one machine, or in a folder the hosts share."""
+    paths: dict[str, int] = {}
+    for role, count in (("server", spec.num_servers), ("worker", spec.num_workers)):
+        if path := {**spec.environ, **spec.env, **spec.role_env.get(role, {})}.get("PSKV_TIMELINE", ""):
+            paths[path] = paths.get(path, 0) + count
+    for path, count in paths.items():
+        from ..ps import timeline  # not at the top: pskv.ps loads zmq
+
+        if (merged := timeline.merge(path)) < count:
+            ctx.report(f"timeline: {merged} of {count} processes' files merged into {path}; the others wrote none "
+                       f"here (on a cluster each host keeps its own as {path}.<role>-<rank>.json: gather them and merge "
+                       "with pskv.ps.timeline.merge)")
 
 
 def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:

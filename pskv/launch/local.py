@@ -33,15 +33,6 @@ class Local(Backend):
             out.append(Planned(f"worker {w}", spec.argv("worker"), env, main=True, show="raw" if self.quiet and w == 0 else show))
         return out
 
-    def close(self, status: Optional[int]) -> None:
-        # (--env-worker or --env-server may name it: one trace for each path)
-        paths = {{**self.spec.environ, **self.spec.env, **e}.get("PSKV_TIMELINE", "") for e in self.spec.role_env.values()} - {""}
-        if paths:
-            from ..ps import timeline  # not at the top: pskv.ps loads zmq
-
-            for path in paths:
-                timeline.merge(path)
-
 
 def launch_local(
     num_workers: int, num_servers: int, command: Sequence[str], extra_env: Optional[Mapping[str, str]] = None,

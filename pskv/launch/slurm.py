@@ -52,6 +52,7 @@ class Sbatch(Backend):
     """Outside an allocation: a batch script that runs this launcher again inside the job."""
 
     slack = 600.0  # time in the queue, on top of --timeout
+    merges = False
 
     def __init__(self, spec: JobSpec):
         super().__init__(spec)

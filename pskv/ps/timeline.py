@@ -1,7 +1,8 @@
 """Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off; docs/DESIGN.md),
 ``t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)``. Each process appends its spans to
 ``path.<role>-<rank>.json`` (every 1000, at exit and at SIGTERM; a Chrome trace in the JSON array format, its
-``]`` left out, one event a line) with the clock its host shares; ``pskv launch`` merges them into ``path``."""
+``]`` left out, one event a line) in wall-clock time, which a cluster's hosts share through NTP; ``pskv launch``
+merges those it sees (all on one machine, or in a folder every host shares) into ``path``."""
 
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 on = False
 _fd = -1
 _lines: list[str] = []
 _lock = threading.Lock()
 _pid = 0
+_wall = 0.0  # time.time() - perf_counter(): spans are timed by perf_counter and written in wall-clock time
 _threads: dict[int, int] = {}
 
 
 def start(role: str, rank: int) -> None:
-    global on, _fd, _pid
+    global on, _fd, _pid, _wall
     path = os.environ.get("PSKV_TIMELINE", "")
     if not path or on:
         return
@@ -36,7 +38,7 @@ def start(role: str, rank: int) -> None:
     except OSError as exc:
         print(f"pskv {role} {rank}: no timeline: PSKV_TIMELINE={path}: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return
-    on, _pid = True, {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank
+    on, _pid, _wall = True, {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank, time.time() - time.perf_counter()
     _lines.append("[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": _pid, "args": {"name": f"{role} {rank}"}}) + ",\n")
     atexit.register(_write)
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
@@ -56,7 +58,7 @@ def span(name: str, begin: float, **args: Any) -> None:
         if ident not in _threads:  # a thread seen for the first time: name its row
             _threads[ident] = len(_threads)
             _lines.append(json.dumps({"name": "thread_name", "ph": "M", "pid": _pid, "tid": _threads[ident], "args": {"name": threading.current_thread().name}}) + ",\n")
-        _lines.append(json.dumps({"name": name, "ph": "X", "ts": begin * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": _threads[ident], "args": args}) + ",\n")
+        _lines.append(json.dumps({"name": name, "ph": "X", "ts": (begin + _wall) * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": _threads[ident], "args": args}) + ",\n")
         if len(_lines) >= 1000:
             _write()
 
@@ -74,10 +76,10 @@ def _stopped(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
-def merge(path: str) -> Optional[str]:
-    """Merge the per-process files ``path.*.json`` into ``path`` (removing them); the path, or None if none."""
+def merge(path: str) -> int:
+    """Merge the per-process files ``path.*.json`` into ``path`` (removing them); how many there were."""
     if not (parts := sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))):
-        return None
+        return 0
     with open(path, "w") as out:
         out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         sep = ""
@@ -90,4 +92,4 @@ def merge(path: str) -> Optional[str]:
         out.write("]}\n")
     for part in parts:
         os.unlink(part)
-    return path
+    return len(parts)

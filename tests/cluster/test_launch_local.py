@@ -122,6 +122,7 @@ def test_timeline_files_are_merged_when_the_job_ends(tmp_path: Path) -> None:
     res = launch(tmp_path, script, 2, 1, env={"PSKV_TIMELINE": str(path)})
     assert res.code == 0, res
     assert path.exists() and not list(tmp_path.glob("t.json.*")), sorted(tmp_path.iterdir())
+    assert "timeline:" not in res.stderr, res  # (every process's file was there)
     doc = json.loads(path.read_text())
     assert isinstance(doc, dict)
     events = doc["traceEvents"]
@@ -131,6 +132,14 @@ def test_timeline_files_are_merged_when_the_job_ends(tmp_path: Path) -> None:
     for w in ("worker 0", "worker 1"):
         assert any(e["name"] == "send PUSH" and e["pid"] == processes[w] for e in spans), w
     assert any(e["name"].startswith("PUSH from worker") and e["pid"] == processes["server 0"] for e in spans)
+
+
+def test_timeline_files_missing_at_the_end_are_said(tmp_path: Path) -> None:
+    """Workers that never made a store write no timeline (as processes on another host write theirs there)."""
+    path = tmp_path / "t.json"
+    res = launch(tmp_path, "print('no store')", 2, 1, env={"PSKV_TIMELINE": str(path)})
+    assert res.code == 0, res
+    assert f"timeline: 0 of 3 processes' files merged into {path}; the others wrote none here" in res.stderr, res
 
 
 def test_timeline_keeps_the_spans_of_processes_the_launcher_stopped(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ destination (``--sync-dst-dir`` copies once). The remote interpreter is this ven
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -75,7 +76,8 @@ def test_three_workers_two_servers_through_sshd_with_sync(server: Sshd, tmp_path
     project = write_project(tmp_path / "project")
     dst = tmp_path / "remote" / "job"
     mark = marker()
-    argv = ssh_launch(server, tmp_path, ["pskv-a", "pskv-b"], [*env_args(), *marker_args(mark), *formulas_args()], dst)
+    trace = tmp_path / "t.json"  # (the hosts share this folder: the launcher merges every process's file)
+    argv = ssh_launch(server, tmp_path, ["pskv-a", "pskv-b"], [*env_args(), "--env", f"PSKV_TIMELINE:{trace}", *marker_args(mark), *formulas_args()], dst)
     res = run(argv, timeout=240, cwd=project)
     # round robin over the hostfile: workers a, b, a; servers a, b
     check_formulas(res, host=["pskv-a", "pskv-b", "pskv-a"], server_host=["pskv-a", "pskv-b"])
@@ -84,6 +86,8 @@ def test_three_workers_two_servers_through_sshd_with_sync(server: Sshd, tmp_path
     for w, host in enumerate(["pskv-a", "pskv-b", "pskv-a"]):
         assert f"[worker {w}@{host}] env {w} {dst} " in res.stdout, res
     assert wait_gone(mark) == []
+    names = {e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "process_name"}
+    assert names == {"worker 0", "worker 1", "worker 2", "server 0", "server 1"} and "timeline:" not in res.stderr, (names, res)
 
 
 @pytest.mark.timeout(120)
