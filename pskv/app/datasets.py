@@ -178,9 +178,9 @@ _IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".ppm")
 
 
 def _images_in(folder: Path) -> list[Path]:
-    """The image files of ``folder``, numeric ids in numeric order (1, 2, 10), other names by name."""
+    """The image files of ``folder``: numeric ids in numeric order (1, 2, 10), others by name, ties by suffix."""
     files = [p for p in folder.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES]
-    return sorted(files, key=lambda p: (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.stem))
+    return sorted(files, key=lambda p: (0, int(p.stem), "", p.name) if p.stem.isdigit() else (1, 0, p.stem, p.name))
 
 
 def _read_images(paths: list[Path]) -> Tensor:

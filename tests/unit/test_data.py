@@ -314,6 +314,20 @@ def test_load_image_folder_class_folders(tmp_path: Path) -> None:
     assert sorted(test.labels.tolist()) == [0, 1] and test.classes == train.classes
 
 
+def test_load_image_folder_order_does_not_depend_on_the_listing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files of one stem (a.png, a.jpg) came in the directory's listing order, which differs between copies
+    of a folder (each host's own): workers' parts then overlapped. The same files give the same data set."""
+    for c, seed in (("cat", 0), ("dog", 10)):
+        for k, name in enumerate(("a.png", "a.bmp", "1.png", "1.bmp", "b.png")):
+            _png(tmp_path / "train" / c / name, _pixels(seed + k))
+    listing = Path.iterdir
+    loaded = []
+    for order in (sorted, lambda paths: sorted(paths, reverse=True)):
+        monkeypatch.setattr(Path, "iterdir", lambda self, order=order: iter(order(listing(self))))
+        loaded.append(load_image_folder(tmp_path))
+    assert torch.equal(loaded[0].images, loaded[1].images) and torch.equal(loaded[0].labels, loaded[1].labels)
+
+
 def test_load_image_folder_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="train"):
         load_image_folder(tmp_path)
