@@ -186,11 +186,11 @@ def _images_in(folder: Path) -> list[Path]:
 def _read_images(paths: list[Path]) -> Tensor:
     """The images as uint8 ``N x H x W x 3`` (grey repeated, alpha dropped); all must have one size."""
     from PIL import Image  # comes with matplotlib
-
     images: list[Tensor] = []
     for path in paths:
-        with Image.open(path) as image:
-            images.append(torch.from_numpy(np.array(image.convert("RGB"), dtype=np.uint8)))
+        with Image.open(path) as image:  # 16-bit grey (mode I;16) scaled to 8 bits: convert("RGB") clips it at 255
+            rgb = (image.point(lambda v: v / 257 + 0.5) if image.mode[0] == "I" else image).convert("RGB")
+            images.append(torch.from_numpy(np.array(rgb, dtype=np.uint8)))
         if images[-1].shape != images[0].shape:
             raise ValueError(f"{path} is {tuple(images[-1].shape)} but {paths[0]} is {tuple(images[0].shape)}; sizes must match")
     return torch.stack(images)

@@ -328,6 +328,21 @@ def test_load_image_folder_order_does_not_depend_on_the_listing(tmp_path: Path, 
     assert torch.equal(loaded[0].images, loaded[1].images) and torch.equal(loaded[0].labels, loaded[1].labels)
 
 
+def test_load_image_folder_16_bit_grey_is_scaled_not_clipped(tmp_path: Path) -> None:
+    """A 16-bit grey PNG (PIL mode I;16) came out as min(value, 255): nearly all white."""
+    from PIL import Image
+
+    grey = np.array([[0, 257, 1000, 32767], [40000, 65535, 128, 129]], dtype=np.uint16)
+    (tmp_path / "train" / "x").mkdir(parents=True)
+    Image.fromarray(grey).save(tmp_path / "train" / "x" / "0.png")
+    _png(tmp_path / "train" / "x" / "1.png", np.full((2, 4, 3), 7, np.uint8))  # 8-bit ones as they were
+    ds = load_image_folder(tmp_path)
+    by_mean = sorted(ds.images, key=lambda image: float(image.float().mean()))
+    assert torch.equal(by_mean[0], torch.full((2, 4, 3), 7, dtype=torch.uint8))
+    expected = np.floor(grey / 257 + 0.5).astype(np.uint8)  # [[0, 1, 4, 127], [156, 255, 0, 1]]
+    assert np.array_equal(by_mean[1].numpy(), np.repeat(expected[..., None], 3, axis=2))
+
+
 def test_load_image_folder_errors(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="train"):
         load_image_folder(tmp_path)
