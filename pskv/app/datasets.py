@@ -93,9 +93,7 @@ def load_digits(train: bool = True, image_size: int = 32) -> ArrayDataset:
     return ArrayDataset(images, labels[idx], [str(i) for i in range(10)])
 
 
-def synthetic(
-    num_samples: int, num_classes: int = 10, image_size: int = 32, channels: int = 3, seed: int = 0
-) -> ArrayDataset:
+def synthetic(num_samples: int, num_classes: int = 10, image_size: int = 32, channels: int = 3, seed: int = 0) -> ArrayDataset:
     """Images a small CNN learns in an epoch or two: its class's fixed smooth pattern plus noise. Only
     labels and noise depend on ``seed``: ``synthetic(n, seed=0)``, ``synthetic(m, seed=1)`` are a
     training and a test set of the same task."""
@@ -143,8 +141,11 @@ def _read_cifar_batch(path: Path) -> Arrays:
             raise ValueError(f"{path}: size {raw.size} bytes is not a whole number of 3073-byte records")
         records = raw.reshape(-1, 3073)
         return records[:, 1:], records[:, 0].astype(np.int64)
-    with open(path, "rb") as f:  # the published batches are Python 2 pickles: "bytes" keeps their str objects as bytes
-        batch = _ArrayUnpickler(f, encoding="bytes").load()
+    try:  # the published batches are Python 2 pickles: "bytes" keeps their str objects as bytes
+        with open(path, "rb") as f:
+            batch = _ArrayUnpickler(f, encoding="bytes").load()
+    except (EOFError, pickle.UnpicklingError) as exc:  # truncated, not a pickle, a global refused: pickle names no file
+        raise type(exc)(f"{path}: {exc}") from None
     batch = batch if isinstance(batch, dict) else {}
     data = batch.get(b"data", batch.get("data"))
     labels = np.asarray(batch.get(b"labels", batch.get("labels", [])), dtype=np.int64)
@@ -188,9 +189,12 @@ def _read_images(paths: list[Path]) -> Tensor:
     from PIL import Image  # comes with matplotlib
     images: list[Tensor] = []
     for path in paths:
-        with Image.open(path) as image:  # 16-bit grey (mode I;16) scaled to 8 bits: convert("RGB") clips it at 255
-            rgb = (image.point(lambda v: v / 257 + 0.5) if image.mode[0] == "I" else image).convert("RGB")
-            images.append(torch.from_numpy(np.array(rgb, dtype=np.uint8)))
+        try:
+            with Image.open(path) as image:  # 16-bit grey (mode I;16) scaled to 8 bits: convert("RGB") clips it at 255
+                rgb = (image.point(lambda v: v / 257 + 0.5) if image.mode[0] == "I" else image).convert("RGB")
+                images.append(torch.from_numpy(np.array(rgb, dtype=np.uint8)))
+        except OSError as exc:  # truncated or corrupt: PIL's message names no file
+            raise OSError(f"{path}: {exc}") from None
         if images[-1].shape != images[0].shape:
             raise ValueError(f"{path} is {tuple(images[-1].shape)} but {paths[0]} is {tuple(images[0].shape)}; sizes must match")
     return torch.stack(images)
@@ -228,9 +232,7 @@ def load_image_folder(root: str | Path, train: bool = True) -> ArrayDataset:
     return ArrayDataset(_read_images(files), torch.tensor(labels, dtype=torch.int64), classes)
 
 
-def get_dataset(
-    name: str, data_dir: str | Path | None = None, train: bool = True, image_size: int = 32
-) -> ArrayDataset:
+def get_dataset(name: str, data_dir: str | Path | None = None, train: bool = True, image_size: int = 32) -> ArrayDataset:
     """A data set by name (``DATASET_NAMES``; "cifar10" and "folder" read ``data_dir``, "synthetic" has
     4096 training and 1024 test images), resized bilinearly to ``image_size`` if need be."""
     if name not in DATASET_NAMES:
@@ -299,10 +301,8 @@ def transforms_for(name: str, image_size: int = 32) -> tuple[BatchTransform, Bat
     return train, BatchTransform(CIFAR10_MEAN, CIFAR10_STD)
 
 
-def batches(
-    dataset: ArrayDataset, sampler: Iterable[int] | None, batch_size: int,
-    transform: Callable[..., Tensor] | None = None, generator: torch.Generator | None = None,
-) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
+def batches(dataset: ArrayDataset, sampler: Iterable[int] | None, batch_size: int, transform: Callable[..., Tensor] | None = None,
+            generator: torch.Generator | None = None) -> Iterator[tuple[Tensor, Tensor]]:  # fmt: skip
     """``(images, labels)`` batches in ``sampler``'s order (sequential when None; the last may be short),
     each uint8 batch through ``transform(images, generator)``. Iterating the sampler advances its epoch."""
     if batch_size < 1:

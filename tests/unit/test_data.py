@@ -234,6 +234,28 @@ def test_load_cifar10_errors(tmp_path: Path) -> None:
         load_cifar10(tmp_path, train=False)
 
 
+def test_corrupt_files_are_named(tmp_path: Path) -> None:
+    """A truncated or corrupt CIFAR-10 pickle or image said "pickle data was truncated", "Ran out of input",
+    "image file is truncated": not which of the files (5 batches, thousands of images) it was."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    _write_python_batch(folder / "data_batch_1", _cifar_planes(2, 1), [0, 1])
+    _write_python_batch(folder / "data_batch_2", _cifar_planes(2, 2), [2, 3])
+    whole = (folder / "data_batch_2").read_bytes()
+    for broken in (whole[: len(whole) // 2], b"", b"\x80\x04K", b"not a pickle"):
+        (folder / "data_batch_2").write_bytes(broken)
+        with pytest.raises((EOFError, pickle.UnpicklingError), match=r"data_batch_2: "):
+            load_cifar10(tmp_path, train=True)
+    for k in range(3):
+        _png(tmp_path / "train" / "cat" / f"{k}.png", _pixels(k))
+    whole = (tmp_path / "train" / "cat" / "1.png").read_bytes()
+    corrupt = whole[:60] + bytes(b ^ 0x5A for b in whole[60:80]) + whole[80:]
+    for broken in (whole[: len(whole) // 2], whole[:30], corrupt):
+        (tmp_path / "train" / "cat" / "1.png").write_bytes(broken)
+        with pytest.raises(OSError, match=r"cat/1\.png"):
+            load_image_folder(tmp_path)
+
+
 class _RunsShell:
     def __init__(self, command: str) -> None:
         self.command = command
