@@ -5,6 +5,7 @@ split of the data without talking to the others (data sets and models are in ``p
 from __future__ import annotations
 
 import numbers
+import operator
 from collections.abc import Iterator, Sequence
 from typing import Union
 
@@ -35,7 +36,7 @@ class SplitSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` produce epoch ``epoch``'s order (as ``DistributedSampler``)."""
-        self.epoch = epoch
+        self.epoch = operator.index(epoch)  # numpy's ints are ints (iter() raised a TypeError); 2.0 is no epoch
 
     def indices(self, epoch: int) -> list[int]:
         """This part's indices in epoch ``epoch``'s order (does not change :attr:`epoch`)."""

@@ -100,6 +100,13 @@ def test_numpy_numbers_are_numbers() -> None:
     import numpy as np
 
     assert list(SplitSampler(10, 2, 1, seed=np.int64(3))) == list(SplitSampler(10, 2, 1, seed=3))
+    sampler = SplitSampler(10, 2, 1, seed=3)
+    for epoch in np.arange(2):  # set_epoch(np.int64(e)): iter() raised "TypeError: an integer is required"
+        sampler.set_epoch(epoch)
+        assert list(sampler) == SplitSampler(10, 2, 1, seed=3).indices(int(epoch))
+    assert sampler.epoch == 2 and type(sampler.epoch) is int
+    with pytest.raises(TypeError):
+        sampler.set_epoch(1.0)  # (a RuntimeError from torch.Generator at the next iter())
     p = torch.nn.Parameter(torch.ones(2))
     trainer = pskv.Trainer([p], "sgd", {"learning_rate": 1.0}, kvstore=None)
     p.grad = torch.full((2,), 8.0)
