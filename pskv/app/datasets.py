@@ -110,9 +110,9 @@ def synthetic(num_samples: int, num_classes: int = 10, image_size: int = 32, cha
 
 
 def _numpy_globals() -> dict[tuple[str, str], Any]:
-    """The only globals a CIFAR-10 pickle needs, taken from numpy's own pickling (so no deprecated
-    ``numpy.core`` import happens) under both the numpy 1 and the numpy 2 module names."""
-    allowed: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype}
+    """The only globals a CIFAR-10 pickle needs, taken from numpy's own pickling (so no deprecated ``numpy.core``
+    import happens) under the numpy 1 and 2 names, and Python 3's protocol 2 bytes (``_codecs.encode(str, "latin1")``)."""
+    allowed: dict[tuple[str, str], Any] = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype, ("_codecs", "encode"): str.encode}
     for core in ("numpy.core", "numpy._core"):
         allowed[(f"{core}.multiarray", "_reconstruct")] = np.zeros(1).__reduce__()[0]
         allowed[(f"{core}.multiarray", "scalar")] = np.uint8(0).__reduce__()[0]

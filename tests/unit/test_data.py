@@ -208,6 +208,16 @@ def test_load_cifar10_python_format(tmp_path: Path) -> None:
     assert np.array_equal(test.images.numpy(), pt.transpose(0, 2, 3, 1))
 
 
+def test_load_cifar10_protocol_2_pickle_from_python_3(tmp_path: Path) -> None:
+    """pickle.dump(batch, f, protocol=2) in Python 3 (a Python 2 compatible batch) writes its bytes as
+    _codecs.encode(str, "latin1"): the batch was refused ("refusing to load global _codecs.encode")."""
+    planes = _cifar_planes(3, 7)
+    _write_python_batch(tmp_path / "test_batch", planes, [4, 0, 9], protocol=2)
+    assert b"_codecs\nencode" in (tmp_path / "test_batch").read_bytes()
+    test = load_cifar10(tmp_path, train=False)
+    assert test.labels.tolist() == [4, 0, 9] and np.array_equal(test.images.numpy(), planes.transpose(0, 2, 3, 1))
+
+
 def test_load_cifar10_binary_format(tmp_path: Path) -> None:
     folder = tmp_path / "cifar-10-batches-bin"
     folder.mkdir()
