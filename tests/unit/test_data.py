@@ -164,6 +164,8 @@ def test_split_and_load_too_small_or_no_devices() -> None:
 def test_split_and_load_takes_a_numpy_batch() -> None:
     parts = split_and_load(np.arange(6).reshape(3, 2), ["cpu"] * 3)  # as MXNet's did (a TypeError from torch)
     assert [p.tolist() for p in parts] == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    flipped = np.arange(8).reshape(2, 4)[:, ::-1]  # negative strides (a numpy flip): torch.as_tensor refused it
+    assert [p.tolist() for p in split_and_load(flipped, ["cpu"] * 2)] == [[[3, 2, 1, 0]], [[7, 6, 5, 4]]]
 
 
 # =========================================================================== CIFAR-10
