@@ -95,7 +95,7 @@ def run_worker(args: argparse.Namespace) -> int:
     per_epoch = (steps_per_epoch := math.ceil(len(sampler) / args.batch_size)) * (workers if kv.type == "dist_async" else 1)  # the servers' updates: dist_async applies every push
 
     # 3. One replica per device; all start from worker 0's weights, updated by SGD on the servers.
-    classes, channels = int(train_set.labels.max()) + 1, train_set.images.shape[-1]
+    classes, channels = len(train_set.classes) or int(train_set.labels.max()) + 1, train_set.images.shape[-1]  # (a class may have no image)
     nets = [models.get_model(args.model, classes, channels, args.image_size).to(d) for d in devices]
     resumed = checkpoint.latest(args.checkpoint_dir) if args.resume and not kv.rejoined else None  # (one back: the job's own)
     progress = checkpoint.load_weights(resumed, nets) if resumed else {}  # before the Trainer sends them

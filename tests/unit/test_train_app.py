@@ -71,6 +71,17 @@ def test_a_last_batch_smaller_than_the_devices_trains(tmp_path: Path, capsys: py
     assert "epoch 1, loss" in capsys.readouterr().out
 
 
+def test_the_model_has_an_output_for_every_class_even_one_without_training_images(tmp_path: Path) -> None:
+    """The outputs were counted from the largest training label: a last class without images (a CIFAR-10
+    subset without trucks, an empty folder) had none, so the model could never predict it."""
+    data = _class_folders(tmp_path / "data", ("a", "b", "c"), ("a", "c"), per_class=4)
+    for image in (data / "train" / "c").iterdir():
+        image.unlink()
+    assert train.main(_args(data, "--epochs", "1", "--batch-size", "4", "--checkpoint-dir", str(tmp_path / "ck"))) == 0
+    weights = torch.load(tmp_path / "ck" / "epoch-1" / "model.pt")
+    assert list(weights.values())[-1].shape == (3,), [(k, tuple(w.shape)) for k, w in weights.items()][-2:]
+
+
 def test_a_data_set_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad" / "cifar-10-batches-bin").mkdir(parents=True)
