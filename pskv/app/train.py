@@ -281,7 +281,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         if (args.workers is not None and args.workers < 1) or min(args.epochs, args.batch_size, args.image_size - (13 if args.model == "small_cnn" else 8), args.servers if dist else 1) < 1:
             raise PSKVError("--workers, --epochs, --batch-size, --image-size and (with a dist store) --servers must be >= 1 (--image-size >= 9 with resnet18, whose BatchNorm fails on a 1x1 batch of 1; >= 14 with small_cnn)")
-        if args.dataset in ("cifar10", "folder") and not (args.data_dir and Path(args.data_dir).is_dir()):
+        if args.dataset in ("cifar10", "folder") and not (args.data_dir and Path(args.data_dir).expanduser().is_dir()):
             raise PSKVError(f"--dataset {args.dataset} reads files: --data-dir must be a folder, got {args.data_dir}")
         if "cuda" in args.devices and not torch.cuda.is_available():  # here, not in every worker once the job started
             raise PSKVError(f"--devices {args.devices}: this torch sees no CUDA device")

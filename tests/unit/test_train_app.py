@@ -82,6 +82,13 @@ def test_the_model_has_an_output_for_every_class_even_one_without_training_image
     assert list(weights.values())[-1].shape == (3,), [(k, tuple(w.shape)) for k, w in weights.items()][-2:]
 
 
+def test_a_data_dir_under_home_written_with_a_tilde(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--data-dir=~/data` (zsh leaves the ~ there) was refused as "not a folder", which the loader would have read."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=2)
+    assert train.main([*_args(Path("~/data"), "--epochs", "1")]) == 0
+
+
 def test_a_data_set_that_cannot_be_read_is_one_line_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "bad" / "cifar-10-batches-bin").mkdir(parents=True)
