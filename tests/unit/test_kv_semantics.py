@@ -312,6 +312,15 @@ def test_row_sparse_push_replaces_or_updates_rows(kv: KVStore) -> None:
     assert dense[:, 0].tolist() == [-0.5, -1.5, -0.5, 0.5, -0.5]
 
 
+def test_an_empty_row_sparse_push_changes_no_row(kv: KVStore) -> None:
+    """A gradient with no rows (an embedding that saw no index) is a push like any other (dist: it failed in a reshape)."""
+    kv.init("emb", torch.ones(4, 2))
+    kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.5))
+    kv.push("emb", torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 2), (4, 2), check_invariants=True))
+    kv.push("emb", rs([2], torch.ones(1, 2), (4, 2)))
+    assert pulled(kv, "emb", torch.zeros(4, 2))[:, 0].tolist() == [1, 1, 0.5, 1]
+
+
 def test_sparse_embedding_gradients_train_through_the_store(kv: KVStore) -> None:
     torch.manual_seed(0)
     emb = torch.nn.Embedding(8, 3, sparse=True)
