@@ -368,7 +368,8 @@ class KVStore:
             if self._optimizer is not None:  # (before the residual changes)
                 updatable(meta.dtype, meta)
             comp = self._compressor if meta.dtype.is_floating_point else None  # (integers travel as they are)
-            if comp is not None:
+            if comp is not None:  # dense and row-sparse values: their dense sum is encoded, as dist stores do
+                values = [reduce_values(values, values[0].device)] if len({v.is_sparse for v in values}) > 1 else values
                 values = [v if v.is_sparse else comp.codec.roundtrip(v, comp.residual(meta.id, i, v))
                           for i, v in enumerate(values)]
             stored = self._values[meta.id]

@@ -321,6 +321,15 @@ def test_an_empty_row_sparse_push_changes_no_row(kv: KVStore) -> None:
     assert pulled(kv, "emb", torch.zeros(4, 2))[:, 0].tolist() == [1, 1, 0.5, 1]
 
 
+def test_a_device_list_of_dense_and_row_sparse_values_is_compressed_as_their_dense_sum(kv: KVStore) -> None:
+    """The same numbers on every type: dist stores encode the dense sum (row 1: 0.6 -> 0.5); local compressed
+    only the dense value and added the rows uncompressed (0.3)."""
+    kv.init("emb", torch.zeros(3, 2))
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    kv.push("emb", [torch.full((3, 2), 0.3), rs([1], torch.full((1, 2), 0.3), (3, 2))])
+    assert pulled(kv, "emb", torch.zeros(3, 2))[:, 0].tolist() == [0, 0.5, 0]
+
+
 def test_sparse_embedding_gradients_train_through_the_store(kv: KVStore) -> None:
     torch.manual_seed(0)
     emb = torch.nn.Embedding(8, 3, sparse=True)
