@@ -23,7 +23,7 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
     """A hook for ``DistributedDataParallel.register_comm_hook(state, hook)`` (``state`` is unused):
     a bucket's gradients become their sum over the workers (``op="sum"``) or its mean (``"average"``,
     DDP's own). The store must run no optimizer (the servers only sum) and not be ``dist_async``; the
-    buckets are its keys ``"ddp-bucket-I-N"`` (index I, N elements: DDP rebuilds its buckets after the
+    buckets are its keys ``"ddp-bucket-I-N-DTYPE"`` (index I, N elements: DDP rebuilds its buckets after the
     first step; a later hook on the store adds ``#1``, ``#2``..., as every worker makes its hooks in one
     order: a GAN's two models). A thread of the hook completes each bucket's
     future once the sum is back; DDP waits for the futures at the end of backward."""
@@ -51,7 +51,7 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
     def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:  # type: ignore[name-defined]  # (DDP checks them)
         _no_optimizer(kv)  # (one set since the hook was made: a Trainer's on this store?)
         buffer = bucket.buffer()
-        key = f"ddp-bucket-{bucket.index()}-{buffer.numel()}" + (f"#{mine}" if mine else "")
+        key = f"ddp-bucket-{bucket.index()}-{buffer.numel()}-{str(buffer.dtype)[6:]}" + (f"#{mine}" if mine else "")
         if key not in known:  # every worker meets the same buckets in the same order: their inits agree
             kv.init(key, torch.zeros_like(buffer))
             known.add(key)
