@@ -54,17 +54,21 @@ class _Distributed:
         if late := [i for i, p in enumerate(self._pskv_params) if p.grad is not None and id(p) in self._pskv_frozen]:
             raise TrainerError(f"parameters {late} (in param_groups order) have gradients but were frozen when the optimizer "
                                "was wrapped, so they are not summed: wrap it after unfreezing them")
-        used = torch.tensor([p.grad is not None for p in self._pskv_params], dtype=torch.float32)
+        params = self._pskv_params  # how many workers have each one's gradient, then how many a row-sparse one
+        used = torch.tensor([p.grad is not None for p in params] + [p.grad is not None and p.grad.is_sparse for p in params], dtype=torch.float32)
         kv = self._pskv.kvstore
         counted = kv.pushpull(self._pskv_used, used, wait=False) if kv is not None else None  # beside the gradients
         self._pskv.allreduce_grads(ignore_stale_grad=True)
         if counted is not None:
             counted.wait()
         with torch.no_grad():
-            for p, n in zip(self._pskv_params, used.tolist()):
+            for p, n, sparse in zip(params, used.tolist(), used[len(params) :].tolist()):
                 if n == 0:
                     p.grad = None
-                elif self._pskv_op == "average" and kv is not None:
+                    continue
+                if sparse and not p.grad.is_sparse:  # type: ignore[union-attr]  # (zeros pushed here: the others' layout)
+                    p.grad = p.grad.to_sparse(1)  # type: ignore[union-attr]
+                if self._pskv_op == "average" and kv is not None:
                     p.grad.div_(kv.num_workers)  # type: ignore[union-attr]
         self._pskv_synced = True
 
@@ -121,7 +125,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
             wrapped._pskv._arm()  # (hooks to hear when backward ends)
     if store is not None:
         wrapped._pskv_used = _fresh_keys(store, 1)[0]
-        store.init(wrapped._pskv_used, torch.zeros(len(params)))
+        store.init(wrapped._pskv_used, torch.zeros(2 * len(params)))
     return wrapped
 
 

@@ -212,6 +212,34 @@ def test_a_parameter_no_worker_used_keeps_no_gradient(inproc_job: Job) -> None:
         assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_worker_whose_sparse_embedding_got_no_gradient_takes_the_others_row_sparse_sum(inproc_job: Job, overlap: bool) -> None:
+    """Worker 1 does not use the nn.Embedding(sparse=True) in step 1: the zeros pushed for it came back as a dense
+    gradient there, a sparse one on worker 0 (SparseAdam: 'does not support dense gradients'; SGD with momentum
+    'add(sparse, dense) is not supported')."""
+
+    def train(kv: Any, ranks: list[int]) -> list[torch.Tensor]:
+        emb = nn.Embedding(10, 3, sparse=True)
+        with torch.no_grad():
+            emb.weight.copy_(torch.arange(30.0).view(10, 3) / 10)
+        opts = [torch.optim.SparseAdam(emb.parameters(), lr=0.1), torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)]
+        if kv is not None:
+            opts = [pskv.DistributedOptimizer(o, kv, overlap=overlap) for o in opts]
+        for step in range(3):
+            for o in opts:
+                o.zero_grad()
+            used = [r for r in ranks if (step, r) != (1, 1)]
+            (sum((emb(torch.tensor([r + step, 5])).sum() for r in used), torch.zeros((), requires_grad=True)) / len(ranks)).backward()
+            for o in opts:
+                o.step()
+        return [emb.weight.detach().clone()]
+
+    got = inproc_job(2, 1).run_workers(lambda kv: train(kv, [kv.rank]))
+    want = train(None, [0, 1])
+    assert torch.equal(got[0][0], got[1][0]), "the workers' weights differ"
+    torch.testing.assert_close(got[0][0], want[0])
+
+
 def test_the_ddp_hook_refuses_a_store_that_got_an_optimizer_and_its_thread_ends_with_it() -> None:
     import gc
     import threading
