@@ -121,7 +121,7 @@ class Trainer:
             raise OptimizerError("give optimizer_params only with an optimizer name")
         self._optimizer = optimizer
         self._scale = self._sent_scale = optimizer.rescale_grad  # _sent_scale: the store's optimizer's
-        self._steps = 0
+        self._steps, self._sparse = 0, set[int]()  # _sparse: keys whose gradients came row-sparse
         if isinstance(kvstore, str):  # a local store for one device in one process would sum nothing
             if kvstore not in (*TYPES, *ALIASES):
                 raise TrainerError(f"unknown store type {kvstore!r}; known: {', '.join([*TYPES, *ALIASES])}")
@@ -349,10 +349,12 @@ class Trainer:
                     raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
                                        "not used in the forward pass since the last step; pass "
                                        "ignore_stale_grad=True to push zeros for it")
-                grads[-1].append(torch.zeros_like(rep[i]) if g is None else g)
+                stand_in = torch.zeros_like(rep[i]).to_sparse(1) if i in self._sparse else torch.zeros_like(rep[i])  # (no rows: the sum comes row-sparse, as the others')
+                grads[-1].append(stand_in if g is None else g)
         return which, grads
 
     def _next_step(self) -> None:
+        self._sparse.update(i for i, t in enumerate(self._reps[0]) if t.grad is not None and t.grad.is_sparse)
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)

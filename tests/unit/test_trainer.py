@@ -680,6 +680,31 @@ def test_overlap_sums_sparse_gradients_without_update_on_kvstore(inproc_job: Job
             assert torch.equal(got, want), (overlap, got)
 
 
+def test_a_worker_without_a_sparse_gradient_in_a_step_updates_as_the_others(inproc_job: Job) -> None:
+    """Worker 1 does not use the embedding in step 2 (ignore_stale_grad): it pushed dense zeros and took the sum
+    dense, so its optimizer ran on every row (momentum) where the others' ran lazily on the rows looked up:
+    the workers drifted apart. Every worker ends with the weights of one process trained on the union batch."""
+    lookups = {0: [[0, 1], [1], [0, 5]], 1: [[4], [], [5]]}
+
+    def train(kv: Optional[KVStore], steps: list[list[int]], **kw: Any) -> torch.Tensor:
+        emb = nn.Embedding(6, 2, sparse=True)
+        nn.init.ones_(emb.weight)
+        tr = pskv.Trainer(emb.parameters(), "sgd", {"learning_rate": 0.5, "momentum": 0.9}, kvstore=kv, **kw)
+        for ids in steps:
+            if ids:
+                emb(torch.tensor(ids)).sum().backward()
+            tr.step(1, ignore_stale_grad=True)
+            emb.weight.grad = None
+        tr.synchronize()
+        return emb.weight.detach().clone()
+
+    want = train(None, [a + b for a, b in zip(lookups[0], lookups[1])])
+    for update_on_kvstore in (False, True):
+        for overlap in (False, True):
+            got = inproc_job(2, 1).run_workers(lambda kv, u=update_on_kvstore, o=overlap: train(kv, lookups[kv.rank], update_on_kvstore=u, overlap=o))
+            assert all(torch.equal(g, want) for g in got), (update_on_kvstore, overlap, want, got)
+
+
 def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> None:
     job = inproc_job(1, 1)
 
