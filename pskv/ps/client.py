@@ -89,14 +89,14 @@ class WorkerClient(Node):
 
     def start(self) -> None:
         """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
-        self.join(None)
-        self.lost_servers = {s for s, info in enumerate(self.servers) if info.get("lost")}
-        self._batch_bytes, self._window = config.batch_bytes(self.across_hosts), config.window_bytes(self.across_hosts)
-        if not self.servers:  # (a scheduler started with DMLC_NUM_SERVER=0, this worker's environment saying otherwise)
+        try:
+            self.join(None)
+        except BaseException:  # refused, or no node table: this client is done
             self.van.close(linger=0)
             self.data.close(linger=0)
-            raise ClusterError("this job has no servers (its scheduler has DMLC_NUM_SERVER=0); start it with `pskv launch -s 1` "
-                               "or more, or use a local store")
+            raise
+        self.lost_servers = {s for s, info in enumerate(self.servers) if info.get("lost")}
+        self._batch_bytes, self._window = config.batch_bytes(self.across_hosts), config.window_bytes(self.across_hosts)
         self.data.identity, self.data.max_frame = ("worker", self.rank), config.max_frame_bytes()
         sndbuf = self._window // 2 if self._window < config.KERNEL_SNDBUF else 0  # (the kernel doubles it)
         for s, info in enumerate(self.servers):

@@ -184,6 +184,7 @@ class Node:
         meta: dict[str, Any] = {
             "role": self.role, "endpoint": endpoint, "host": "inproc" if env.inproc else env.advertised_host(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "shm_host": host_identity(), "id": self.asked,
+            "counts": [env.num_servers, env.num_workers],  # the scheduler's must be the same
         }
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()

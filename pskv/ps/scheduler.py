@@ -136,6 +136,9 @@ class Scheduler:
         role = meta.get("role")
         if role not in ("server", "worker"):
             raise ClusterError(f"cannot register role {role!r}")
+        if (counts := meta.get("counts")) != (ours := [self.env.num_servers, self.env.num_workers]):  # (a server's sums rounds of its count)
+            raise ClusterError(f"this {role} has [DMLC_NUM_SERVER, DMLC_NUM_WORKER] = {counts}, the scheduler {ours}: every process "
+                               "of a job must be started with the same counts")
         want = self.env.num_servers if role == "server" else self.env.num_workers
         workers = [n for n in self.nodes.values() if n.role == "worker"]
         lost = sorted({n.rank for n in workers if n.lost} - {n.rank for n in workers if not n.lost}) if self.started and role == "worker" else []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -397,6 +398,26 @@ def test_surplus_and_duplicate_registrations_are_refused(inproc_job: Job) -> Non
         kv.init(0, torch.ones(1))
 
 
+def test_a_node_started_with_other_counts_is_refused_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Roles started by hand, one with DMLC_NUM_WORKER=1 in a job of 2 workers: a server that
+    believed so summed each round over 1 worker, and the workers pulled 1 instead of 3 (section 3).
+    The scheduler refuses such a node at once, naming the variables (it waited for the start timeout)."""
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "3")
+    root = f"inproc://pskv-test-counts-{uuid.uuid4().hex[:8]}"
+    scheduler = threading.Thread(target=Scheduler(JobEnv("scheduler", root, 0, num_workers=2, num_servers=1)).run, daemon=True)
+    scheduler.start()
+    odd = Node(JobEnv("server", root, 0, num_workers=1, num_servers=1))
+    try:
+        with pytest.raises(pskv.ClusterError, match=r"\[DMLC_NUM_SERVER, DMLC_NUM_WORKER\] = \[1, 1\], the scheduler \[1, 2\]"):
+            odd.join("inproc://nowhere")
+    finally:
+        odd.van.close(0)
+        scheduler.join(30)
+
+
 def test_thousands_of_small_calls_in_flight_travel_in_few_messages(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """2,000 keys of 4 floats, one pushpull per key with wait=False: rows queued together share
     messages, and every value follows the formula. With the I/O thread's delay made long, all of
@@ -642,7 +663,7 @@ def test_a_second_push_without_waiting_does_not_wait_for_the_first_through_share
 
 def test_a_scheduler_without_servers_is_said_by_the_worker() -> None:
     """The scheduler has DMLC_NUM_SERVER=0, the worker's environment another number (JobEnv's check of
-    DMLC_NUM_SERVER=0 does not see it): the store says the job has no servers (was a ValueError at init)."""
+    DMLC_NUM_SERVER=0 does not see it): the scheduler refuses it, naming both (was a ValueError at init)."""
     from pskv.kv.dist import DistStore
     from pskv.ps.node import JobEnv
     from pskv.ps.scheduler import Scheduler
@@ -652,7 +673,7 @@ def test_a_scheduler_without_servers_is_said_by_the_worker() -> None:
     thread = threading.Thread(target=scheduler.run, daemon=True)
     thread.start()
     try:
-        with pytest.raises(pskv.ClusterError, match="this job has no servers"):
+        with pytest.raises(pskv.ClusterError, match=r"DMLC_NUM_WORKER\] = \[1, 1\], the scheduler \[0, 1\]"):
             DistStore("dist_sync", JobEnv("worker", uri, 0, num_workers=1, num_servers=1, worker_id=0))
     finally:
         scheduler.status = 0  # (its loop ends)
