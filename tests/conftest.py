@@ -19,14 +19,14 @@ class InprocJob:
     in threads of :meth:`run_workers`. :meth:`join` checks every role exited with status 0.
     """
 
-    def __init__(self, workers: int = 1, servers: int = 1, tcp: bool = False):
+    def __init__(self, workers: int = 1, servers: int = 1, tcp: bool = False, host: str = "127.0.0.1"):
         from pskv.launch.spec import free_port
         from pskv.ps.scheduler import Scheduler
         from pskv.ps.server import Server
 
         self.workers, self.servers = workers, servers
-        self.root = "127.0.0.1" if tcp else f"inproc://pskv-test-{uuid.uuid4().hex[:10]}"
-        self.port = free_port() if tcp else 0  # tcp: the same threads, over 127.0.0.1
+        self.root = host if tcp else f"inproc://pskv-test-{uuid.uuid4().hex[:10]}"
+        self.port = free_port() if tcp else 0  # tcp: the same threads, over 127.0.0.1 (or ``host``)
         self.codes: dict[str, Optional[int]] = {}
         self.threads: list[threading.Thread] = []
         self._start("scheduler", lambda: Scheduler(self.env("scheduler")).run())
@@ -86,8 +86,8 @@ def inproc_job() -> Iterator[Callable[..., InprocJob]]:
     """``inproc_job(workers, servers)`` makes a job; every one made is joined at teardown."""
     jobs: list[InprocJob] = []
 
-    def make(workers: int = 1, servers: int = 1, tcp: bool = False) -> InprocJob:
-        job = InprocJob(workers, servers, tcp)
+    def make(workers: int = 1, servers: int = 1, tcp: bool = False, host: str = "127.0.0.1") -> InprocJob:
+        job = InprocJob(workers, servers, tcp, host)
         jobs.append(job)
         return job
 

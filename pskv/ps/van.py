@@ -82,16 +82,17 @@ class Van:
         self._nonces: set[bytes] = set()
         self._logged: set[str] = set()
 
-    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+    def _socket(self, kind: int, endpoint: str) -> zmq.Socket[bytes]:
         sock = self._ctx.socket(kind)
         for option in (zmq.SNDHWM, zmq.RCVHWM, zmq.LINGER):
             sock.setsockopt(option, 0)
+        sock.setsockopt(zmq.IPV6, endpoint.startswith("tcp://["))  # (DMLC_PS_ROOT_URI=::1; zmq refused it: "No such device")
         return sock
 
     def listen(self, endpoint: str, max_frame: int = 0) -> str:
         """Accept clients on ``endpoint`` (``tcp://host:0`` picks a free port); the bound endpoint.
         A client that sends a frame over ``max_frame`` bytes (0: no limit) is disconnected."""
-        sock = self._socket(zmq.ROUTER)
+        sock = self._socket(zmq.ROUTER, endpoint)
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame or -1)
         if self.encrypt:
             assert self.secret is not None
@@ -127,7 +128,7 @@ class Van:
         """Open a connection named ``peer`` to ``endpoint``; ``receive=False``: only sent on
         (by one thread at a time, not necessarily the van's owner); ``watch``: report its end;
         ``sndbuf``: the kernel's send buffer in bytes (0: the kernel sizes it)."""
-        sock = self._socket(zmq.DEALER)
+        sock = self._socket(zmq.DEALER, endpoint)
         sock.setsockopt(zmq.ROUTING_ID, b"\x01" + os.urandom(15))  # unguessable: a proof holds for this connection only
         if sndbuf:
             sock.setsockopt(zmq.SNDBUF, sndbuf)

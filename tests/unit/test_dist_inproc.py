@@ -418,6 +418,27 @@ def test_a_node_started_with_other_counts_is_refused_naming_them(monkeypatch: py
         scheduler.join(30)
 
 
+def test_a_job_whose_scheduler_is_at_an_ipv6_address_runs(inproc_job: Job) -> None:
+    """DMLC_PS_ROOT_URI=::1 (a bracketed tcp://[::1]:PORT endpoint): the scheduler could not listen
+    there ("No such device": zmq sockets take IPv6 only when told) and every other role waited for
+    the start timeout. Values follow section 3's formula."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init(0, torch.ones(2))
+        out = torch.empty(2)
+        kv.pushpull(0, torch.full((2,), kv.rank + 1.0), out=out)
+        return out.tolist()
+
+    assert inproc_job(2, 1, tcp=True, host="::1").run_workers(body, timeout=60) == [[3.0, 3.0]] * 2
+
+
 def test_thousands_of_small_calls_in_flight_travel_in_few_messages(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """2,000 keys of 4 floats, one pushpull per key with wait=False: rows queued together share
     messages, and every value follows the formula. With the I/O thread's delay made long, all of
