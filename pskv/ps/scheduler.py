@@ -150,8 +150,9 @@ class Scheduler:
         if (wanted := meta.get("id")) is not None:
             if not isinstance(wanted, int) or not 0 <= wanted < want:
                 raise ClusterError(f"{role} id {wanted!r} is out of range 0..{want - 1}")
-            if any(n.meta.get("id") == wanted for n in self._members(role)):
-                raise ClusterError(f"two {role}s asked for id {wanted}")
+            if twin := [n.meta for n in self._members(role) if n.meta.get("id") == wanted]:
+                raise ClusterError(f"DMLC_{role.upper()}_ID={wanted} again: the {role} on {twin[0].get('hostname')} (pid "
+                                   f"{twin[0].get('pid')}) has it; each {role} needs its own")
         self.nodes[peer] = _Node(peer, role, meta)
         say("scheduler", f"{role} registered from {meta.get('hostname')} pid {meta.get('pid')}")
         self._tell(f"registered {role}")

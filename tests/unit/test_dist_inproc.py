@@ -6,6 +6,7 @@ these run in seconds and cover the failure paths in detail.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import uuid
@@ -416,6 +417,39 @@ def test_a_node_started_with_other_counts_is_refused_naming_them(monkeypatch: py
     finally:
         odd.van.close(0)
         scheduler.join(30)
+
+
+def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
+    variable and the process that holds that rank (it said "two workers asked for id 0"); the first
+    waits for the start timeout, as the job never gets its worker 1."""
+    import os
+
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "3")
+    root = f"inproc://pskv-test-twins-{uuid.uuid4().hex[:8]}"
+    scheduler = threading.Thread(target=Scheduler(JobEnv("scheduler", root, 0, num_workers=2, num_servers=1)).run, daemon=True)
+    scheduler.start()
+    twins = [Node(JobEnv("worker", root, 0, num_workers=2, num_servers=1, worker_id=0)) for _ in range(2)]
+    errors: list[str] = []
+
+    def join(node: Node) -> None:
+        try:
+            node.join(None)
+        except pskv.ClusterError as exc:  # the first to register waits for a job that never starts
+            errors.append(str(exc))
+        finally:
+            node.van.close(0)
+
+    threads = [threading.Thread(target=join, args=(n,), daemon=True) for n in twins]
+    for t in threads:
+        t.start()
+    for t in [*threads, scheduler]:
+        t.join(30)
+    refused = [e for e in errors if re.search(rf"DMLC_WORKER_ID=0 again: the worker on \S+ \(pid {os.getpid()}\) has it", e)]
+    assert len(errors) == 2 and len(refused) == 1, errors
 
 
 def test_a_job_whose_scheduler_is_at_an_ipv6_address_runs(inproc_job: Job) -> None:
