@@ -153,6 +153,8 @@ def decode(frames: Sequence[Buffer]) -> Message:
         raise ProtocolError("empty message")
     head = _buf(frames[0])
     if head.nbytes != HEADER.size:
+        if head[:8].tobytes() == b"PSKVAUTH":  # (pskv.ps.van's proof, to a process without the secret)
+            raise ProtocolError("a proof of PSKV_SECRET reached a process that has no secret: every process of a job needs the same one")
         raise ProtocolError(f"header is {head.nbytes} bytes, expected {HEADER.size}")
     magic, version, mtype, req_id, meta_len = HEADER.unpack(head)
     if magic != MAGIC:

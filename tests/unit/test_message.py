@@ -94,6 +94,7 @@ def _head(**kw: int) -> bytes:
         ([_head(meta_len=2), b"\xff\xfe"], "not JSON"),
         ([_head(meta_len=1 << 21), b"x"], "over"),
         ([pickle.dumps({"a": 1})], "header is"),
+        ([b"PSKVAUTH" + bytes(57)], "a proof of PSKV_SECRET reached a process that has no secret"),  # (was: "header is 65 bytes")
     ],
 )
 def test_malformed_messages_are_protocol_errors(frames: list[bytes], match: str) -> None:
