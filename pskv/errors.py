@@ -54,7 +54,8 @@ def deadline(what: str, waited: float, setting: str, limit: float, missing: str)
 def describe_node(info: Mapping[str, Any]) -> str:
     """``"server 1 (host 10.0.0.2, pid 4242)"`` from a node-table entry."""
     where = f"host {info.get('hostname') or info.get('host')}, pid {info.get('pid')}"
-    return f"{info.get('role')} {info.get('rank')} ({where})"
+    rank = info.get("rank")
+    return f"{info.get('role')} {rank} ({where})" if not isinstance(rank, int) or rank >= 0 else f"a {info.get('role')} ({where}, no rank yet)"
 
 
 def node_failed(info: Mapping[str, Any], reason: str) -> NodeFailedError:

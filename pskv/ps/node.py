@@ -191,7 +191,10 @@ class Node:
         until = time.monotonic() + wait + 2.0  # the scheduler's error, naming who is missing, comes first
         early: list[Received] = []
         while (left := until - time.monotonic()) > 0:
-            for peer, msg in self.van.recv(min(left, 0.5)):
+            if time.monotonic() >= self._next_hb:  # alive while it waits: a closed connection is then a process gone
+                self._next_hb = time.monotonic() + self.hb_interval
+                self.van.send("scheduler", Message(Type.HEARTBEAT))
+            for peer, msg in self.van.recv(min(left, 0.5, self.hb_interval)):
                 if isinstance(msg, PeerGone):
                     raise self.lost(peer)
                 if isinstance(msg, Exception):

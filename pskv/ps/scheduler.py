@@ -97,8 +97,8 @@ class Scheduler:
                 now = time.monotonic()
                 if not self.started and now > start_deadline:
                     self._fail_start()
+                self._check_heartbeats(now)  # (before the start only closed connections: nodes send heartbeats from REGISTER on)
                 if self.started:
-                    self._check_heartbeats(now)
                     self._check_barriers(now)
         finally:
             self.van.close(linger=2.0)
@@ -276,7 +276,7 @@ class Scheduler:
     def _check_heartbeats(self, now: float) -> None:
         for node in self.nodes.values():
             silent = self.van.polled - node.last_seen  # not ``now``: what waits unread is not silence
-            if not node.finished and silent > self.hb_timeout:
+            if self.started and not node.finished and silent > self.hb_timeout:
                 return self._lost(node, f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g})")
             if not node.finished and node.closed and self.van.polled - node.closed > 3 * config.heartbeat_interval():
                 return self._lost(node, "its connection to the scheduler closed: the process exited or was killed")
@@ -288,7 +288,7 @@ class Scheduler:
         if peer.startswith("launcher"):
             print(f"pskv scheduler: {lost_launcher(peer, 'the scheduler')}", file=sys.stderr, flush=True)
             self.status = 1
-        elif node is not None and self.started:
+        elif node is not None:
             node.closed = time.monotonic()
 
     def _let_go(self, node: _Node, text: str) -> None:

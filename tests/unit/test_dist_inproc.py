@@ -733,3 +733,40 @@ def test_a_scheduler_without_servers_is_said_by_the_worker() -> None:
     finally:
         scheduler.status = 0  # (its loop ends)
         thread.join(timeout=10)
+
+
+def test_a_worker_gone_before_the_job_started_fails_the_start_at_once(monkeypatch: pytest.MonkeyPatch, capfd: Any) -> None:
+    """Worker 0 of 2 registers, then is killed while the job waits for worker 1: the scheduler took a closed
+    connection for a lost node only once the job had started (nodes sent no heartbeats before), so the job
+    would have started with a dead worker, noticed PSKV_HEARTBEAT_TIMEOUT later; or waited out the start."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from pskv.launch.spec import free_port
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "60")
+    monkeypatch.setenv("PSKV_HEARTBEAT_INTERVAL", "0.2")
+    port = free_port()
+    scheduler = Scheduler(JobEnv("scheduler", "127.0.0.1", port, num_workers=2, num_servers=1))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    env = {**os.environ, "DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": str(port),
+           "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1"}  # fmt: skip
+    worker = subprocess.Popen([sys.executable, "-c", "import pskv; pskv.kv.create('dist_sync')"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n.role == "worker" for n in list(scheduler.nodes.values())) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert worker.poll() is None, worker.communicate()
+        os.kill(worker.pid, signal.SIGKILL)
+        thread.join(15)
+        assert not thread.is_alive() and scheduler.status == 1, "the scheduler waits for a job with a dead worker"
+    finally:
+        worker.kill()
+        worker.communicate(timeout=30)  # (closes the pipe)
+    err = capfd.readouterr().err
+    assert "a worker (host " in err and "no rank yet) failed: its connection to the scheduler closed" in err and "before the job started" in err, err
