@@ -140,6 +140,8 @@ class Trainer:
         update_on_kvstore = False if sharing else update_on_kvstore
         if kv is None and update_on_kvstore:
             raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
+        if kv is None and len(self._reps) > 1:  # (update() takes replica 0's gradient for all)
+            raise TrainerError(f"{len(self._reps)} device replicas need a store to sum their gradients: kvstore='device', not None")
         if self._async and update_on_kvstore is False:
             raise TrainerError("dist_async applies updates on the servers: update_on_kvstore=False is not possible")
         self._update_on_kvstore = kv is not None and (update_on_kvstore is None or bool(update_on_kvstore))

@@ -48,6 +48,12 @@ def test_device_replicas_are_summed(store: str, update_on_kvstore: Any) -> None:
         assert torch.equal(p.detach(), torch.full((3,), 1.0 - 6.0))
 
 
+def test_replicas_without_a_store_are_refused() -> None:
+    """kvstore=None with two replicas updated both with replica 0's gradient: replica 1's was dropped in silence."""
+    with pytest.raises(pskv.TrainerError, match="2 device replicas need a store"):
+        pskv.Trainer([[_ones_param()], [_ones_param()]], "sgd", kvstore=None)
+
+
 @pytest.mark.parametrize("update_on_kvstore", [None, False])
 def test_three_workers_two_servers(inproc_job: Job, update_on_kvstore: Any) -> None:
     job = inproc_job(3, 2)
