@@ -345,18 +345,19 @@ class Trainer:
         grads: list[list[Tensor]] = []
         for i in which:
             grads.append([])
+            sparse = i in self._sparse or any(getattr(r[i].grad, "is_sparse", False) for r in self._reps)  # (a replica's, this step)
             for d, rep in enumerate(self._reps):
                 g = rep[i].grad
                 if g is None and not ignore_stale_grad:
                     raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
                                        "not used in the forward pass since the last step; pass "
                                        "ignore_stale_grad=True to push zeros for it")
-                stand_in = torch.zeros_like(rep[i]).to_sparse(1) if i in self._sparse else torch.zeros_like(rep[i])  # (no rows: the sum comes row-sparse, as the others')
+                stand_in = torch.zeros_like(rep[i]).to_sparse(1) if sparse else torch.zeros_like(rep[i])  # (no rows: the sum comes row-sparse, as the others')
                 grads[-1].append(stand_in if g is None else g)
         return which, grads
 
     def _next_step(self) -> None:
-        self._sparse.update(i for i, t in enumerate(self._reps[0]) if t.grad is not None and t.grad.is_sparse)
+        self._sparse.update(i for rep in self._reps for i, t in enumerate(rep) if t.grad is not None and t.grad.is_sparse)
         self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)

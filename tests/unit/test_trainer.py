@@ -711,6 +711,26 @@ def test_a_worker_without_a_sparse_gradient_in_a_step_updates_as_the_others(inpr
             assert all(torch.equal(g, want) for g in got), (update_on_kvstore, overlap, want, got)
 
 
+def test_a_replica_without_a_sparse_gradient_in_the_first_step() -> None:
+    """A first batch of one row leaves replica 1 without the embedding's gradient: its stand-in was dense zeros
+    (no earlier step had shown the key row-sparse), so wd and momentum ran on every row, not on the one looked up."""
+    def train(replicas: int, **kw: Any) -> torch.Tensor:
+        embs = [nn.Embedding(4, 2, sparse=True) for _ in range(replicas)]
+        for e in embs:
+            nn.init.ones_(e.weight)
+        tr = pskv.Trainer([e.parameters() for e in embs], "sgd", {"learning_rate": 0.5, "momentum": 0.9, "wd": 0.1}, **kw)
+        for ids in ([1], [0, 2]):
+            for e, part in zip(embs, pskv.split_and_load(torch.tensor(ids), ["cpu"] * min(replicas, len(ids)))):
+                e(part).sum().backward()
+            tr.step(len(ids), ignore_stale_grad=True)
+            for e in embs:
+                e.weight.grad = None
+        assert all(torch.equal(e.weight, embs[0].weight) for e in embs)
+        return embs[0].weight.detach().clone()
+
+    assert torch.equal(train(2, kvstore="device"), train(1, kvstore=None))
+
+
 def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> None:
     job = inproc_job(1, 1)
 
