@@ -134,7 +134,6 @@ def run_worker(args: argparse.Namespace) -> int:
         trainer.pull_weights()
         if args.checkpoint_dir:  # the others save the epoch they have finished: its barrier counts this worker in
             checkpoint.save(args.checkpoint_dir, first, nets[0], trainer, {}, writer=leader)
-    started = time.perf_counter()
     for epoch in range(first, args.epochs):
         # 4. Train: split each batch over the replicas, forward, backward, then trainer.step, which
         # sums the gradients over devices and workers and waits for the servers' new weights.
@@ -205,11 +204,10 @@ def run_worker(args: argparse.Namespace) -> int:
                   f"{row['samples_per_sec']:.1f} samples/s total", flush=True)
         if args.checkpoint_dir:
             checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history, "per_epoch": per_epoch, "loss_scale": vars(scale) if scale else {}}, writer=leader)
-    if rank == leader and history:
-        last, seconds = history[-1], time.perf_counter() - started
-        # the run's samples/s: every epoch's rate weighted by its time
-        rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / sum(r["seconds"] for r in history)
-        print(f"done: test acc {last['test_acc']:.4f} after {args.epochs} epochs in {seconds:.1f} s "
+    if rank == leader and history:  # the run's time: its epochs' (a resumed run's before too); samples/s: their rates by time
+        last, seconds = history[-1], sum(r["seconds"] for r in history)
+        rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / seconds
+        print(f"done: test acc {last['test_acc']:.4f} after {last['epoch']} epochs in {seconds:.1f} s "
               f"({rate:.1f} samples/s in total)", flush=True)
         if args.report:
             final = {key: last[key] for key in ("test_acc", "train_acc", "loss")}

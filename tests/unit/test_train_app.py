@@ -119,3 +119,23 @@ def test_a_test_set_without_labels_reports_no_accuracy(tmp_path: Path, capsys: p
     assert "test acc nan" in capsys.readouterr().out
     report = json.loads((tmp_path / "r.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
     assert report["final"]["test_acc"] is None and report["epochs"][0]["test_acc"] is None  # JSON's null
+
+
+def test_the_done_line_and_report_give_the_time_of_every_epoch_a_resumed_run_has(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The "done:" line and the report's final seconds were the wall time of this process only: a resumed run of
+    3 epochs said "after 3 epochs in 5.0 s" (its epochs took 7.9, 1.2 and 4.9 s), one with nothing left "in 0.0 s"
+    and, with --epochs 2, "after 2 epochs"; the samples/s beside it were every epoch's. Now: the epochs' time summed."""
+    import json
+
+    data = _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=8)  # 16 images
+    args = _args(data, "--batch-size", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--report", str(tmp_path / "r.json"))
+    assert train.main([*args, "--epochs", "2"]) == 0
+    for epochs in ("3", "2"):  # one more epoch, then none left
+        capsys.readouterr()
+        assert train.main([*args, "--epochs", epochs, "--resume"]) == 0
+        report = json.loads((tmp_path / "r.json").read_text())
+        rows, final = report["epochs"], report["final"]
+        assert [r["epoch"] for r in rows] == [1, 2, 3]
+        assert final["seconds"] == pytest.approx(sum(r["seconds"] for r in rows), rel=1e-9), report
+        assert final["samples_per_sec"] * final["seconds"] == pytest.approx(3 * 16, rel=1e-9), report  # samples trained / time
+        assert f"done: test acc {rows[-1]['test_acc']:.4f} after 3 epochs in {final['seconds']:.1f} s" in capsys.readouterr().out
