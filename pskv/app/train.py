@@ -91,6 +91,14 @@ def run_worker(args: argparse.Namespace) -> int:
         i, n, leader = live.index(rank), len(live), min((e["since"], e["rank"]) for e in everyone if "since" in e)[1]
         return SplitSampler(len(train_set), n, i, shuffle=True, seed=args.seed), range(len(test_set) * i // n, len(test_set) * (i + 1) // n), leader
 
+    def evaluate(part: range) -> dict[str, int]:  # test images `part` by replica 0 (its own BatchNorm statistics)
+        net, right = nets[0].eval(), 0
+        with torch.no_grad():
+            for x, y in datasets.batches(test_set, part, 256, test_tf):
+                right += int((net(x.to(devices[0])).argmax(1).cpu() == y).sum())
+        net.train()
+        return {"test_correct": right, "test_seen": int((test_set.labels[part.start : part.stop] >= 0).sum())}  # (-1: no label)
+
     sampler, test_part, leader = share([{"rank": r, "since": 0} for r in range(workers)])
     per_epoch = (steps_per_epoch := math.ceil(len(sampler) / args.batch_size)) * (workers if kv.type == "dist_async" else 1)  # the servers' updates: dist_async applies every push
 
@@ -167,19 +175,14 @@ def run_worker(args: argparse.Namespace) -> int:
                 board.add_scalar(f"step/{name}", value, epoch * steps_per_epoch + i)  # this worker's batch
         seconds = time.perf_counter() - t0
 
-        # 5. Evaluate this worker's share of the test set, then gather everyone's numbers
-        # (kv.allgather), so that worker 0 reports loss and accuracy over all workers' data.
-        net, test_correct = nets[0].eval(), 0  # replica 0, with its own BatchNorm statistics
-        with torch.no_grad():
-            for x, y in datasets.batches(test_set, test_part, 256, test_tf):
-                test_correct += int((net(x.to(devices[0])).argmax(1).cpu() == y).sum())
-        net.train()
-        mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds,
-                "test_correct": test_correct, "test_seen": int((test_set.labels[test_part.start:test_part.stop] >= 0).sum())}  # fmt: skip
+        # 5. Measure this worker's test share; gather everyone's numbers (kv.allgather) for a report over all data.
+        mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds, **evaluate(test_part)}
         everyone = kv.allgather({**mine, "rank": rank, "epoch": epoch + 1, "since": since})  # the workers in the job now
         sampler, test_part, leader = share(everyone)
         everyone = [e for e in everyone if "seen" in e]  # not a worker that rejoins here
         total = {key: sum(e[key] for e in everyone) for key in mine}
+        if total["test_seen"] < (test_set.labels >= 0).sum():  # a worker lost in this epoch measured no share: all here
+            total.update(evaluate(range(len(test_set))))
         row = {
             "epoch": epoch + 1,
             "loss": total["loss"] / total["seen"],
@@ -255,7 +258,7 @@ def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
     from matplotlib.figure import Figure  # pyplot's global state and display are not needed
 
     x = [row["epoch"] for row in history]
-    fig = Figure(figsize=(10, 4))
+    fig = Figure(figsize=(10, 4), layout="tight")
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(x, [row["loss"] for row in history], marker="o")
     ax1.set(xlabel="epoch", ylabel="training loss", title="loss")
@@ -267,7 +270,6 @@ def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
         ax.set_xticks(x)
     fig.suptitle(title)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
 

@@ -139,3 +139,30 @@ def test_the_done_line_and_report_give_the_time_of_every_epoch_a_resumed_run_has
         assert final["seconds"] == pytest.approx(sum(r["seconds"] for r in rows), rel=1e-9), report
         assert final["samples_per_sec"] * final["seconds"] == pytest.approx(3 * 16, rel=1e-9), report  # samples trained / time
         assert f"done: test acc {rows[-1]['test_acc']:.4f} after 3 epochs in {final['seconds']:.1f} s" in capsys.readouterr().out
+
+
+def test_an_epoch_that_lost_a_worker_measures_the_whole_test_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker measures its share of the test set; a worker lost in an epoch (pskv launch --min-workers)
+    sent no share, and that epoch's test accuracy was over the others' shares alone (2 of 3 workers: 682 of
+    1024 images), said nowhere. Here worker 1 of 2 is lost in epoch 1: the allgather answers worker 0 alone."""
+    from pskv.app import datasets
+
+    create = train.create
+
+    def lost_one(name: str) -> object:
+        kv = create(name)
+        kv.__class__ = type("LostOne", (type(kv),), {"num_workers": property(lambda self: 2)})
+        return kv
+
+    measured: list[int] = []
+    batches = datasets.batches
+
+    def recorded(dataset: object, sampler: object, batch_size: int, *rest: object) -> object:
+        measured.extend(sampler if isinstance(sampler, range) else ())  # the test pass reads ranges; training a sampler
+        return batches(dataset, sampler, batch_size, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(train, "create", lost_one)
+    monkeypatch.setattr(datasets, "batches", recorded)
+    data = _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=4)  # 4 test images
+    assert train.main(_args(data, "--epochs", "1", "--batch-size", "4")) == 0
+    assert sorted(set(measured)) == [0, 1, 2, 3], measured
