@@ -5,9 +5,8 @@ back, instead of an all-reduce among the workers."""
 
 import queue
 import threading
-import weakref
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,25 +24,19 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
     DDP's own). The store must run no optimizer (the servers only sum) and not be ``dist_async``; the
     buckets are its keys ``"ddp-bucket-I-N-DTYPE"`` (index I, N elements: DDP rebuilds its buckets after the
     first step; a later hook on the store adds ``#1``, ``#2``..., as every worker makes its hooks in one
-    order: a GAN's two models). A thread of the hook completes each bucket's
+    order: a GAN's two models). A thread of the store completes each bucket's
     future once the sum is back; DDP waits for the futures at the end of backward."""
     if op not in ("average", "sum"):
         raise KVStoreError(f"ddp_hook op {op!r}: it must be 'average' or 'sum'")
     if kv.type == "dist_async":
         raise KVStoreError("ddp_hook needs summed rounds; a dist_async store applies each push on its own")
     _no_optimizer(kv)
-    waiting: queue.SimpleQueue[Optional[tuple[Any, torch.futures.Future[Tensor], Tensor]]] = queue.SimpleQueue()
-
-    def complete() -> None:  # one bucket after the other, in the order DDP handed them over
-        while (item := waiting.get()) is not None:  # None: the hook is gone
-            handle, future, buffer = item
-            try:
-                handle.wait()
-                future.set_result(buffer.div_(kv.num_workers) if op == "average" else buffer)
-            except BaseException as exc:  # DDP raises it from backward
-                future.set_exception(exc)  # type: ignore[arg-type]
-
-    threading.Thread(target=complete, name="pskv-ddp-hook", daemon=True).start()
+    # one thread per store completes its hooks' futures, in the order DDP handed the buckets over; it waits for
+    # the next one until the process ends (a thread that ended once its hook was dropped, before the exit, was
+    # followed by a SIGABRT at every worker's exit on an H100: "terminate called without an active exception")
+    if (waiting := kv.__dict__.get("_ddp_waiting")) is None:
+        waiting = kv.__dict__["_ddp_waiting"] = queue.SimpleQueue()
+        threading.Thread(target=_complete, args=(kv, waiting), name="pskv-ddp-hook", daemon=True).start()
     known: set[str] = set()
     mine = kv.__dict__.setdefault("_ddp_hooks", 0)  # (this store's hooks before this one)
     kv.__dict__["_ddp_hooks"] = mine + 1
@@ -56,11 +49,20 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
             kv.init(key, torch.zeros_like(buffer))
             known.add(key)
         future: torch.futures.Future[Tensor] = torch.futures.Future()
-        waiting.put((kv.pushpull(key, buffer, wait=False), future, buffer))
+        waiting.put((kv.pushpull(key, buffer, wait=False), future, buffer, op == "average"))
         return future
 
-    weakref.finalize(hook, waiting.put, None)  # its thread ends with it
     return hook
+
+
+def _complete(kv: KVStore, waiting: queue.SimpleQueue[tuple[Any, torch.futures.Future[Tensor], Tensor, bool]]) -> None:
+    while True:
+        handle, future, buffer, average = waiting.get()
+        try:
+            handle.wait()
+            future.set_result(buffer.div_(kv.num_workers) if average else buffer)
+        except BaseException as exc:  # DDP raises it from backward
+            future.set_exception(exc)  # type: ignore[arg-type]
 
 
 def _no_optimizer(kv: KVStore) -> None:
