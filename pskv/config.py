@@ -13,7 +13,7 @@ variable                   default  meaning
 ``PSKV_REPLICAS``          0        R: every part is also kept by the next R servers, and the job survives R lost servers (``pskv launch --replicas``)
 ``PSKV_MIN_WORKERS``       0        go on while this many workers live (``pskv launch --min-workers``); 0: a lost worker ends the job
 ``PSKV_MAX_RESTARTS``      0        start a lost worker anew, this many times in all (``pskv launch --max-restarts``)
-``PSKV_NONFINITE``         error    a pushed NaN/Inf: ``error`` (the push fails), ``skip`` (counted, pushed as 0) or ``allow``
+``PSKV_NONFINITE``         error    a pushed NaN/Inf: ``error`` (the push fails), ``skip`` (counted, pushed as 0) or ``allow``; a worker's skip/allow goes with its pushes
 ``PSKV_SECRET``            (none)   the job's secret (``pskv launch`` makes one); or ``PSKV_SECRET_FILE``, a file only its owner reads
 ``PSKV_ENCRYPT``           0        1: encrypt every connection (CURVE, keys derived from the secret; slower, docs/DESIGN.md)
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)

@@ -292,7 +292,7 @@ def main(argv: Sequence[str]) -> int:
         if args.amp == "fp16":  # an fp16 step may overflow: the servers sum it as it is, the workers skip it
             if args.kv_store == "dist_async":
                 raise PSKVError("--amp fp16 checks the summed gradients before updating; dist_async updates on the servers")
-            os.environ.setdefault("PSKV_NONFINITE", "allow")
+            os.environ["PSKV_NONFINITE"] = os.environ.get("PSKV_NONFINITE", "").strip() or "allow"  # (it goes with the pushes)
         if not dist and (args.workers or 1) != 1:
             raise PSKVError(f"--kv-store {args.kv_store} trains in this one process: use --workers 1 or a dist store")
         if os.environ.get("DMLC_ROLE") or not dist:

@@ -412,7 +412,7 @@ class DistStore(KVStore):
                          "load_optimizer_states")
 
     def _set_compression_impl(self, compressor: Compressor) -> None:
-        self._client.push_meta = {"codec": compressor.codec.describe()}
+        self._client.push_meta["codec"] = compressor.codec.describe()
 
     def _barrier_impl(self, *value: Any) -> list[Any]:
         self._client.check()

@@ -70,7 +70,8 @@ class WorkerClient(Node):
         self.tracker = Tracker(config.timeout() + max(5.0, 0.1 * config.timeout()), self._pump)
         self.shared = shm.Shared()
         self.shm_servers: set[int] = set()
-        self.push_meta: Optional[dict[str, Any]] = None  # metadata of every PUSH (the compression codec)
+        policy = config.nonfinite()  # a setting of this worker's own goes with its pushes (pskv train --amp fp16 under pskv launch)
+        self.push_meta: dict[str, Any] = {"nonfinite": policy} if policy != "error" else {}  # of every PUSH (and the codec)
         self._pending: dict[tuple[int, Type], list[Queued]] = {}  # (server, PUSH or PULL) -> rows not sent yet
         self._pending_bytes: dict[int, int] = {}
         self._queued_rows = 0  # rows ever queued: their order among equal priorities
@@ -264,7 +265,7 @@ class WorkerClient(Node):
                 q.ready.synchronize()  # a copy from a GPU into the bytes to send (rows may be queued meanwhile)
         frames = [f for q in batch for f in q.frames]
         table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
-        msg = Message(kind, meta=self.push_meta if kind == Type.PUSH else None, frames=[table, *frames])
+        msg = Message(kind, meta=(self.push_meta or None) if kind == Type.PUSH else None, frames=[table, *frames])
         req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
         req.rows = [(q.row, q.frames) for q in batch] if self.replicas else None  # sent again on a failover
         if server in self.shm_servers:  # answers may be slots of its shared memory

@@ -263,7 +263,7 @@ class Server(Node):
         with _Frames(msg) as frames:
             for row in PUSH.unpack(frames.take()):
                 p = self.rounds.part(row.key, row.part)
-                grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank)
+                grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank, (msg.meta or {}).get("nonfinite"))
                 entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply), _rescale(row)))
                 req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         return entries
@@ -289,14 +289,14 @@ class Server(Node):
             return total.view(p.rows, p.row_numel)
         raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
 
-    def _finite(self, grad: Tensor, p: Part, rank: int) -> Tensor:
-        """``grad``, unless it holds NaN or Inf: then an error, or zeros (``PSKV_NONFINITE``)."""
-        values = grad._values() if grad.is_sparse else grad
-        if self.nonfinite == "allow" or not (values.is_floating_point() or values.is_complex()):
+    def _finite(self, grad: Tensor, p: Part, rank: int, asked: Any = None) -> Tensor:
+        """``grad``, unless it holds NaN or Inf: then an error, or zeros (``PSKV_NONFINITE``: ours, or the pushing worker's)."""
+        values, policy = grad._values() if grad.is_sparse else grad, asked if asked in ("skip", "allow") else self.nonfinite
+        if policy == "allow" or not (values.is_floating_point() or values.is_complex()):
             return grad
         if cmath.isfinite(values.sum().item()) or bool(torch.isfinite(values).all()):  # a sum can overflow alone; .item(): 1/3 the cost of torch.isfinite
             return grad
-        if self.nonfinite == "error":
+        if policy == "error":
             raise NonFiniteError(f"worker {rank} pushed NaN or Inf to {p} ({self.name}); PSKV_NONFINITE=skip pushes such gradients "
                                  "as zeros, =allow as they are (fp16 loss scaling needs it: pskv launch --env PSKV_NONFINITE:allow)")
         self.skipped += 1
