@@ -247,7 +247,7 @@ class DistStore(KVStore):
                     if earlier.error is None or exc is earlier.error or str(exc) != str(earlier.error):  # copy); the job's,
                         raise  # or a refused push's not said yet (the object itself), is this call's too
             if earlier is not None:  # its answers are read from the server's memory, which our push lets it change
-                for copied in earlier.copies:
+                for copied, _ in earlier.copies:
                     copied.synchronize()
                 earlier.copies = []  # done: the other keys of that call need not wait for them again
             if where in self._slot_busy and self._slot_busy[where].finished:
@@ -320,8 +320,8 @@ class DistStore(KVStore):
         for device in {piece.device for piece, _ in staged}:
             pairs = [(piece, src) for piece, src in staged if piece.device == device]
             copied = self._copy(device, False, [piece for piece, _ in pairs], [src for _, src in pairs])
-            handle.copies.append(copied)
-            copied.wait()
+            handle.copies.append((copied, device))
+            copied.wait(torch.cuda.current_stream(device))  # (that GPU's stream: an output on another than the current one)
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()

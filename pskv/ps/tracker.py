@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
+import torch
+
 from ..errors import DeadlineExceeded, PSKVError, deadline, from_reply
 from .message import ANSWER, Message, Type, frame_tensor
 
@@ -34,7 +36,7 @@ class Handle:
         self._done = tracker is None
         self.error: Optional[BaseException] = None
         self.sent: list[Callable[[float], bool]] = []  # waits for zmq to be done with this call's pushed bytes
-        self.copies: list[Any] = []  # CUDA events of its answers' copies to a GPU: the caller's stream waits for them
+        self.copies: list[tuple[Any, Any]] = []  # (CUDA event, GPU) of its answers' copies: the caller's stream there waits
         self.staged: list[tuple[Any, Any]] = []  # (GPU piece, answer): copied together by the first wait
 
     @property
@@ -68,8 +70,8 @@ class Handle:
             _raise(self.error)
         if tracker is not None:
             tracker.raise_failure()  # the job's fatal error or a failed push's, if any
-        for copied in self.copies:
-            copied.wait()
+        for copied, device in self.copies:
+            copied.wait(torch.cuda.current_stream(device))
         try:  # (pop: two threads may wait for one call)
             finish = self._finish.pop()
         except IndexError:
