@@ -352,8 +352,7 @@ class Trainer:
                     raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
                                        "not used in the forward pass since the last step; pass "
                                        "ignore_stale_grad=True to push zeros for it")
-                stand_in = torch.zeros_like(rep[i]).to_sparse(1) if sparse else torch.zeros_like(rep[i])  # (no rows: the sum comes row-sparse, as the others')
-                grads[-1].append(stand_in if g is None else g)
+                grads[-1].append(g if g is not None else torch.zeros_like(rep[i]).to_sparse(1) if sparse else torch.zeros_like(rep[i]))  # (sparse: no rows)
         return which, grads
 
     def _next_step(self) -> None:

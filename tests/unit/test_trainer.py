@@ -731,6 +731,23 @@ def test_a_replica_without_a_sparse_gradient_in_the_first_step() -> None:
     assert torch.equal(train(2, kvstore="device"), train(1, kvstore=None))
 
 
+@pytest.mark.parametrize("update_on_kvstore", [None, False])
+def test_a_step_with_every_gradient_makes_no_stand_ins(monkeypatch: pytest.MonkeyPatch, update_on_kvstore: Any) -> None:
+    """A zero stand-in was made for every key of every replica at every step, used or not (for an embedding a dense
+    table, then made row-sparse: 0.07 s a step for a 400k x 64 embedding on a CPU). Only a missing gradient needs one."""
+    emb, lin = nn.Embedding(50, 4, sparse=True), nn.Linear(3, 2)
+    tr = pskv.Trainer([*emb.parameters(), *lin.parameters()], "sgd", kvstore=pskv.kv.create("local"), update_on_kvstore=update_on_kvstore)
+    made: list[tuple[int, ...]] = []
+    zeros_like = torch.zeros_like
+    monkeypatch.setattr(torch, "zeros_like", lambda t, *a, **k: made.append(tuple(t.shape)) or zeros_like(t, *a, **k))
+    for _ in range(2):
+        (emb(torch.tensor([1, 2])).sum() + lin(torch.ones(1, 3)).sum()).backward()
+        tr.step(1)
+        emb.weight.grad = None
+        lin.zero_grad()
+    assert made == [], made
+
+
 def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> None:
     job = inproc_job(1, 1)
 
