@@ -42,7 +42,7 @@ class SplitSampler(Sampler[int]):
         """This part's indices in epoch ``epoch``'s order (does not change :attr:`epoch`)."""
         if not self.shuffle:
             return list(range(self.start, self.end))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
+        generator = torch.Generator().manual_seed(self.seed + operator.index(epoch))  # (numpy's ints too)
         return (torch.randperm(self.part_len, generator=generator) + self.start).tolist()
 
     def __iter__(self) -> Iterator[int]:
