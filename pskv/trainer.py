@@ -352,7 +352,8 @@ class Trainer:
                     raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
                                        "not used in the forward pass since the last step; pass "
                                        "ignore_stale_grad=True to push zeros for it")
-                grads[-1].append(g if g is not None else torch.zeros_like(rep[i]).to_sparse(1) if sparse else torch.zeros_like(rep[i]))  # (sparse: no rows)
+                t = rep[i]  # a stand-in (row-sparse: no rows, so the sum comes as the others')
+                grads[-1].append(g if g is not None else torch.sparse_coo_tensor(t.new_zeros((1, 0), dtype=torch.long), t.new_zeros((0, *t.shape[1:])), t.shape) if sparse else torch.zeros_like(t))
         return which, grads
 
     def _next_step(self) -> None:
