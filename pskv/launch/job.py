@@ -452,9 +452,9 @@ def merge_timelines(spec: JobSpec, ctx: ProcessContext) -> None:
         from ..ps import timeline  # not at the top: pskv.ps loads zmq
 
         if (merged := timeline.merge(path)) < count:
-            ctx.report(f"timeline: {merged} of {count} processes' files merged into {path}; the others wrote none "
-                       f"here (on a cluster each host keeps its own as {path}.<role>-<rank>.json: gather them and merge "
-                       "with pskv.ps.timeline.merge)")
+            said = f"{merged} of {count} processes' files merged into {path}; the others wrote none" if merged else f"none of the {count} processes wrote one"
+            ctx.report(f"timeline: {said} here (on a cluster each host keeps its own as "
+                       f"{path}.<role>-<rank>.json: gather them and merge with pskv.ps.timeline.merge)")
 
 
 def start_scheduler(ctx: ProcessContext, spec: JobSpec, backend: Backend) -> int:
