@@ -78,7 +78,7 @@ class Codec:
         stores call it for 1bit)."""
         if not all(bool(v.isfinite().all()) for v in values):
             raise NonFiniteError(f"{key}: a gradient with NaN or Inf cannot be sent with 1bit compression "
-                                 "(2bit, fp16 and bf16 send them, and the servers' PSKV_NONFINITE decides)")
+                                 "(2bit, fp16 and bf16 send them, and PSKV_NONFINITE decides)")
 
     def decode(self, wire: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
         """The dense 1-D gradient of ``numel`` elements that ``wire`` stands for."""

@@ -770,3 +770,35 @@ def test_a_worker_gone_before_the_job_started_fails_the_start_at_once(monkeypatc
         worker.communicate(timeout=30)  # (closes the pipe)
     err = capfd.readouterr().err
     assert "a worker (host " in err and "no rank yet) failed: its connection to the scheduler closed" in err and "before the job started" in err, err
+
+
+@pytest.mark.parametrize("codec", [None, "fp16"])
+def test_a_workers_own_nonfinite_setting_goes_with_its_pushes(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, codec: Any) -> None:
+    """Servers started with PSKV_NONFINITE=error, workers with skip (pskv train --amp fp16 sets allow after
+    pskv launch started the servers): worker 1's Inf push counts as zeros (it failed the push), with the
+    compression codec beside the setting in the PUSH metadata too."""
+    import math
+
+    from pskv.ps.server import Server
+
+    made = Server.__init__
+
+    def servers_on_error(self: Server, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        self.nonfinite = "error"  # (whatever the environment says when its thread makes it)
+
+    monkeypatch.setattr(Server, "__init__", servers_on_error)
+    monkeypatch.setenv("PSKV_NONFINITE", "skip")  # the workers'
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> list[float]:
+        if codec:
+            kv.set_gradient_compression({"type": codec})
+        kv.init("w", torch.zeros(2))
+        out, seen = torch.empty(2), []
+        for i in range(2):
+            kv.pushpull("w", torch.full((2,), math.inf if kv.rank == 1 and i == 0 else 1.0), out)
+            seen.append(out[0].item())
+        return seen
+
+    assert job.run_workers(body) == [[1.0, 2.0]] * 2
