@@ -104,6 +104,7 @@ class ProcessContext:
         self.started = self.ended = False  # what the scheduler said: the job started, ended
         self.joined = 0  # workers that registered with it (before the start)
         self.restarts = self.max_restarts = 0  # of workers it declared lost (--max-restarts)
+        self.unjoined: set[str] = set()  # restarted, not registered yet: stopped if the job ends first
         self.starting, self.deferred = False, 0  # in start(): run_job's signal handler defers a signal till it returns
 
     def start(
@@ -196,6 +197,7 @@ class ProcessContext:
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()
             if any(p.name == "scheduler" and p.returncode == 0 for p in self.procs):  # the job is done
+                lost += [p for p in self.procs if p.name in self.unjoined and p.returncode is None and p not in lost]
                 frozen = [p.name for p in self.procs if p.returncode is None and p not in lost and p.state == "T"]
                 if frozen:  # a stopped process can do no more work: waiting for it would never end
                     return self._stop(1, f"the job finished, but {', '.join(frozen)} is stopped (SIGSTOP?) and did not exit; stopped it")
@@ -234,6 +236,7 @@ class ProcessContext:
             self._signal(proc.popen, signal.SIGKILL)  # stopped (SIGSTOP) or cut off: it is not coming back
             self.restarts += 1
             proc.again(self.restarts)
+            self.unjoined.add(name)
             self.report(f"restarted {name} (restart {self.restarts} of {self.max_restarts})")
 
     def _stop(self, status: int, text: str) -> int:
@@ -242,7 +245,7 @@ class ProcessContext:
         return status
 
     def _hear(self, lost: list[Watched]) -> None:
-        """What the scheduler says on its pipe: ``started``, ``lost <role> <rank>`` (the job goes on),
+        """What the scheduler says on its pipe: ``started``, ``lost <role> <rank>`` (the job goes on), ``back worker <rank>``,
         ``ended`` (every worker finished)."""
         while self.started_fd >= 0 and select.select([self.started_fd], [], [], 0)[0]:
             data = os.read(self.started_fd, 4096)
@@ -252,6 +255,7 @@ class ProcessContext:
             for line in data.decode(errors="replace").split("\n"):
                 self.started, self.ended = self.started or line == "started", self.ended or line == "ended"
                 self.joined += line == "registered worker"
+                self.unjoined.discard(line[5:] if line.startswith("back ") else "")
                 lost += [p for p, _ in self.watched if line == f"lost {p.name}" and p not in lost]
                 if line.startswith("lost worker ") and not self.ended:  # (a worker too late to rejoin: ended first)
                     self._restart(line[5:])

@@ -183,6 +183,7 @@ class Scheduler:
         gets that rank now, and is admitted at the workers' next allgather (see ``_release``)."""
         node = self.nodes[peer] = _Node(peer, "worker", meta, rank, joining=True)
         self.van.post(node.peer, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
+        self._tell(f"back worker {rank}")  # (pskv launch stops one still starting when the job ends)
         say("scheduler", f"worker {rank} is back from {meta.get('hostname')} pid {meta.get('pid')}; it joins at the next allgather")
 
     def _fail_start(self) -> None:

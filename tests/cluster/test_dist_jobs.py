@@ -778,3 +778,25 @@ def test_max_restarts_with_replicas_after_a_lost_server(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert f"seen {rank} [0, 1, 2] {[3.0] * 4 + [2.0] * 4 + [3.0] * 4}" in res.stdout, res
     assert "seen 2 [0, 1, 2] [2.0, 3.0, 3.0, 3.0, 3.0]" in res.stdout, res
+
+
+def test_max_restarts_a_worker_restarted_too_late_is_stopped_when_the_job_ends(tmp_path: Path) -> None:
+    """SPEC: if the others finish first, a restarted worker is let go and the job still succeeds. One
+    that had not registered when the scheduler ended the job (slow to start) waited PSKV_START_TIMEOUT
+    (120 s) for a scheduler that was gone, and the launcher with it; it is now stopped at the end."""
+    script = """
+    import os, signal, time, torch, pskv
+    if os.environ.get("PSKV_RESTARTS"):
+        time.sleep(30)  # slow to start: the job ends first
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(2))
+    if kv.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    while len(kv.allgather(kv.rank)) > 1:  # until worker 1 is declared lost
+        time.sleep(0.2)
+    kv.close()
+    print("worker 0 finished", flush=True)
+    """
+    res = launch(tmp_path, script, 2, 1, launch_args=["--min-workers", "1", "--max-restarts", "1"], timeout=60)
+    assert res.code == 0 and "worker 0 finished" in res.stdout, res
+    assert "restarted worker 1 (restart 1 of 1)" in res.stderr and "stopped worker 1" in res.stderr, res
