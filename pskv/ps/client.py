@@ -419,3 +419,4 @@ class WorkerClient(Node):
             self.tracker.fail_all(NodeFailedError("the scheduler shut the job down"))
         elif msg.type in (Type.OK, Type.ERROR, Type.DATA):
             self.tracker.answer(msg)
+            self.data.wake()  # a thread waiting for it polls the servers' connections
