@@ -193,6 +193,25 @@ def test_a_finished_worker_fails_the_rounds_that_need_it_at_once() -> None:
         push(r, 1, 1, 1.0)
 
 
+def test_the_expiry_sweep_looks_only_at_parts_with_requests_waiting() -> None:
+    """A server sweeps for late requests every 0.5 s. It built two lists for every part it holds,
+    waiting or not: 25 ms a sweep for 20,000 keys, a server's CPU spent on an idle store. Parts
+    with nothing waiting are now passed over without reading their lists."""
+
+    class Watched(list[Any]):
+        reads = 0
+
+        def __iter__(self) -> Any:
+            Watched.reads += 1
+            return super().__iter__()
+
+    r = Rounds(1, timeout=10.0)
+    r.init("i", 0, "sync", [entry(key=k, value=torch.ones(4)) for k in range(100)])
+    for p in r.parts.values():
+        p.pulls, p.inits = Watched(), Watched()
+    assert r.expire(1e12) == [] and Watched.reads == 0
+
+
 def test_expiry_names_the_workers_that_have_not_pushed() -> None:
     r = made(3)
     p = r.part(0, 0)
