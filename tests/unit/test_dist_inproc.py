@@ -807,11 +807,11 @@ def test_a_workers_own_nonfinite_setting_goes_with_its_pushes(inproc_job: Job, m
 def test_a_barrier_returns_when_answered_not_when_the_waiters_poll_times_out(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """The scheduler's answer reaches the I/O thread while the waiting thread polls the servers'
     connections (50 ms at a time: every barrier and allgather took 50 ms): the I/O thread now wakes
-    it. With polls made 10 s long, the barrier must still return at once."""
+    it. With polls made 30 s long, the allgather must still return long before one ends."""
     from pskv.ps.client import WorkerClient
 
     pump = WorkerClient._pump
-    monkeypatch.setattr(WorkerClient, "_pump", lambda self, timeout: pump(self, 10.0 if timeout == 0.05 else timeout))
+    monkeypatch.setattr(WorkerClient, "_pump", lambda self, timeout: pump(self, 30.0 if timeout == 0.05 else timeout))
     job = inproc_job(2, 1)
 
     def body(kv: KVStore) -> tuple[list[Any], float]:
@@ -821,4 +821,4 @@ def test_a_barrier_returns_when_answered_not_when_the_waiters_poll_times_out(inp
         return got, time.monotonic() - t0
 
     for got, took in job.run_workers(body):
-        assert got == [0, 1] and took < 5.0, took
+        assert got == [0, 1] and took < 15.0, took
