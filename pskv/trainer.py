@@ -345,15 +345,16 @@ class Trainer:
         grads: list[list[Tensor]] = []
         for i in which:
             grads.append([])
-            sparse = i in self._sparse or any(getattr(r[i].grad, "is_sparse", False) for r in self._reps)  # (a replica's, this step)
             for d, rep in enumerate(self._reps):
-                g = rep[i].grad
+                g, t = rep[i].grad, rep[i]
                 if g is None and not ignore_stale_grad:
                     raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
                                        "not used in the forward pass since the last step; pass "
                                        "ignore_stale_grad=True to push zeros for it")
-                t = rep[i]  # a stand-in (row-sparse: no rows, so the sum comes as the others')
-                grads[-1].append(g if g is not None else torch.sparse_coo_tensor(t.new_zeros((1, 0), dtype=torch.long), t.new_zeros((0, *t.shape[1:])), t.shape) if sparse else torch.zeros_like(t))
+                if g is None:  # a stand-in; row-sparse with no rows where the key's gradients are (earlier, or another replica's now)
+                    sparse = i in self._sparse or any(getattr(r[i].grad, "is_sparse", False) for r in self._reps)
+                    g = torch.sparse_coo_tensor(t.new_zeros((1, 0), dtype=torch.long), t.new_zeros((0, *t.shape[1:])), t.shape) if sparse else torch.zeros_like(t)
+                grads[-1].append(g)
         return which, grads
 
     def _next_step(self) -> None:
