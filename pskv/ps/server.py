@@ -260,10 +260,11 @@ class Server(Node):
     def _push_entries(self, msg: Message, rank: int, req: _Request) -> list[PushEntry]:
         """Decode every part of a push (checked, nothing applied): gradients as ``rows x row_numel``."""
         entries = []
+        asked = (msg.meta or {}).get("nonfinite")  # the pushing worker's PSKV_NONFINITE, if it set one
         with _Frames(msg) as frames:
             for row in PUSH.unpack(frames.take()):
                 p = self.rounds.part(row.key, row.part)
-                grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank, (msg.meta or {}).get("nonfinite"))
+                grad = self._finite(self._gradient(p, row, [frames.take() for _ in range(row.frames)], rank, msg), p, rank, asked)
                 entries.append(PushEntry(p, row.round, grad, row.fd >= 0, bool(row.held), bool(row.reply), _rescale(row)))
                 req.shm.append(row.fd >= 0)  # a worker that pushes through shared memory reads its answers there
         return entries
