@@ -3,7 +3,10 @@
 # pskv train with --amp on the GPU, one and two replicas in one process, the timeline picture.
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh          # from the repository root, on a machine with CUDA
 # DEV=cpu BATCH=4 STEPS=1 EPOCHS=1 checks the script itself on a machine without one. BASE=<dir of another
-# checkout> adds that checkout's pskv rows, for a comparison on the same machine.
+# checkout> adds that checkout's pskv rows, for a comparison on the same machine. PARTS picks the sections, in
+# the order given (default: all but cluster): step tests amp devices timeline cluster; `cluster` runs
+# benchmarks/cluster_1gbit.py (4 + 4 hosts in network namespaces, 1 Gbit links) where root can make them: a
+# device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10).
 export PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/pyzmq*.whl  # (a machine without pyzmq: its wheel in .whl/)
 export PYTHONPATH=/tmp/site:$PWD OUT=${OUT:-/tmp/gpu}
@@ -12,8 +15,12 @@ DEV=${DEV:-cuda}; B=${BATCH:-128}; S=${STEPS:-30}; E=${EPOCHS:-2}
 R=/tmp/runs; mkdir -p $R
 exec > >(tee $OUT/log.txt) 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null
+python3 -c "import torch, os; print(torch.__version__, len(os.sched_getaffinity(0)), 'cores')"
+tests() {
 echo "== CUDA tests"
 timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short tests/unit/test_cuda.py tests/unit/test_kv_semantics.py::test_device_store_on_cuda 2>&1 | tail -15
+}
+step() {
 echo "== train_step"
 timeout 120 python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
 if [ -n "$BASE" ]; then  # BASE=<another checkout>: its pskv rows, run from its own directory (python -m pskv,
@@ -21,20 +28,32 @@ if [ -n "$BASE" ]; then  # BASE=<another checkout>: its pskv rows, run from its 
   (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout 120 python3 "$OLDPWD/benchmarks/train_step.py" --device $DEV --batch $B -n 2 -s 2 --steps $S \
     --warmup 5 --skip plain "pskv local" "ddp x2 (gloo)" "ddp hook 2x2" "torch opt 2x2" --json $OUT/train_step_base.json 2>&1 | grep -v "^\s*$" | tail -6)
 fi
+}
+amp() {
 echo "== pskv train --amp, 2 workers x 2 servers, one device each"
 for amp in none bf16 fp16; do
   a=$([ $amp = none ] || echo "--amp $amp")
   echo "-- $amp"; timeout 60 python3 -m pskv train --devices $DEV --epochs $E $a --no-progress --report $R/amp_$amp.json 2>&1 | grep -E "^epoch|^done|rror" | tail -4
 done
+}
+devices() {
 echo "== devices in one process (local store), batch 64 per device"
 for n in 1 2; do
   d=$(python3 -c "print(','.join(['$DEV:0' if '$DEV'=='cuda' else '$DEV']*$n))")
   echo "-- $d"; timeout 45 python3 -m pskv train --kv-store local --devices $d --batch-size $((64*n)) --epochs $E --no-progress --report $R/dev_$n.json 2>&1 | grep -E "^epoch|^done|rror" | tail -4
 done
-python3 -c "
-import json, glob, os
-json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('$R/*.json'))}, open('$OUT/gpu_runs.json', 'w'), indent=1)"
+}
+timeline() {
 echo "== timeline"
 timeout 60 python3 benchmarks/timeline_picture.py --device $DEV --batch $B --steps 4 --out $R/timeline_step_cuda.png 2>&1 | tail -2
 cp $R/timeline_step_cuda.png $OUT/ 2>/dev/null
+}
+cluster() {
+echo "== emulated cluster, 4 worker hosts + 4 server hosts, 1 Gbit links (ResNet-18 payload, gloo in the same run)"
+timeout ${CLUSTER_TIMEOUT:-240} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-10} --json $OUT/cluster_1gbit.json 2>&1 | tail -20
+}
+for part in ${PARTS:-step tests amp devices timeline}; do $part; done
+python3 -c "
+import json, glob, os
+json.dump({os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob('$R/*.json'))}, open('$OUT/gpu_runs.json', 'w'), indent=1)"
 ls -la $OUT
