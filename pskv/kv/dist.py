@@ -288,19 +288,22 @@ class DistStore(KVStore):
             if handle.staged:
                 self._copy_in(handle)
             for buf, outs in copies:
+                rows = buf[:, -1].nonzero()[:, 0] if any(o.is_sparse for o in outs) else None  # present rows (see _sinks)
+                buf = buf if rows is None else buf[:, :-1].reshape(outs[0].shape)
                 for o in outs:
-                    o.copy_(buf.to_sparse(1) if o.is_sparse else buf, non_blocking=o.is_cuda)
+                    write_rows(o, rows, buf[rows]) if rows is not None and o.is_sparse else o.copy_(buf, non_blocking=o.is_cuda)
         gpus: set[torch.device] = set()
         for meta, outs in items:
             first = outs[0]
-            if not first.is_sparse and first.device.type in ("cpu", "cuda") and first.is_contiguous():
+            sparse = any(o.is_sparse for o in outs)
+            if not sparse and first.device.type in ("cpu", "cuda") and first.is_contiguous():
                 copies.append((first, outs[1:]))
                 if first.is_cuda and first.device not in gpus:  # its copies wait for what the caller's stream has queued (may read it)
                     self._stream(first.device, False).wait_stream(torch.cuda.current_stream(first.device))
                     self._client.shared.pin_peers()
                     gpus.add(first.device)
-            else:
-                copies.append((torch.empty(meta.shape, dtype=meta.dtype), outs))
+            else:  # a row-sparse out: each row, and a last column saying whether it is present (PULL's rows 2)
+                copies.append((torch.empty((meta.numel // meta.row_numel, meta.row_numel + 1) if sparse else meta.shape, dtype=meta.dtype), outs))
         handle = self._client.handle(finish)  # (finish reads it: its staged answers)
         return handle, [buf for buf, _ in copies]
 
@@ -308,7 +311,7 @@ class DistStore(KVStore):
         """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, the answer is
         staged (left where it is: the server's shared memory, page-locked here, or the message) and
         ``handle.wait()`` copies all of them (:meth:`_copy_in`)."""
-        piece = self._piece(meta, buf, p)
+        piece = self._piece(meta, buf, p) if buf.shape == meta.shape else buf[p.start // meta.row_numel : p.stop // meta.row_numel]
         if not piece.is_cuda:
             return piece
         return lambda src: handle.staged.append((piece, src.view(piece.shape)))
@@ -328,15 +331,15 @@ class DistStore(KVStore):
         handle, bufs = self._sinks(items)
         for (meta, _), buf in zip(items, bufs):
             for p in self._parts[meta.id]:
-                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale=rescale, priority=priority)
+                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale=rescale, priority=priority, present=buf.shape != meta.shape)
         return self._done(handle, wait)
 
     def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, present: bool = False) -> None:
         where = (meta.id, p.index)
         rescale_bits = 0 if rescale is None else float_bits(rescale)
         shm_ok = rows is None and p.server in self._client.shm_servers
-        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), int(rows is not None), rescale_bits, 0)
+        row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), 2 if present else int(rows is not None), rescale_bits, 0)
         self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype), priority=priority)
         self._before_push[where] = handle
 

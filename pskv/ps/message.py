@@ -101,7 +101,8 @@ class PushKind(enum.IntEnum):
 PUSH = Layout("PushRow", "key", "part", "round", "kind", "frames", "fd", "offset", "held", "reply", "rescale")
 #: a pulled part, wanted as of round ``round`` (the pushes of it this worker has sent);
 #: ``shm`` 1: answer with a shared-memory slot if there is one; ``rows`` 1: only the rows whose
-#: ids (int64, local to the part) come in the next row-id frame; ``rescale``: 0, or the bits of a
+#: ids (int64, local to the part) come in the next row-id frame, 2: ``rows x (row_numel + 1)``, the last
+#: column 1 for the rows a row-sparse output holds (rounds.Part.present); ``rescale``: 0, or the bits of a
 #: float64 that scales the held round's gradient (:func:`float_bits`); ``mirror`` 1: to the part's
 #: backup, which takes the rescale and acknowledges (docs/DESIGN.md, "A lost server")
 PULL = Layout("PullRow", "key", "part", "round", "shm", "rows", "rescale", "mirror")

@@ -40,6 +40,7 @@ class Answer:
     round: int = 0  # pulls and merge-acknowledgements: the round they wait for
     rows: Optional[Tensor] = None  # pulls of some rows only
     value: Optional[Tensor] = None  # a pull's data
+    present: bool = False  # a pull into row-sparse outputs (PullEntry)
     part: Optional[Part] = None  # set when ``value`` is ``part.value`` itself (no copy was made)
     error: Optional[PSKVError] = None
     since: float = field(default_factory=time.monotonic)
@@ -71,6 +72,7 @@ class PullEntry(NamedTuple):
     rows: Optional[Tensor] = None  # int64 row ids local to the part, checked
     rescale: Optional[float] = None  # the rescale of a held round's update
     mirror: bool = False  # the copy a backup gets: it brings the rescale, and is only acknowledged
+    present: bool = False  # into row-sparse outputs: the value with a last column, 1 for the rows it holds
 
 
 E = TypeVar("E", PushEntry, PullEntry)
@@ -95,6 +97,7 @@ class Part:
     base: dict[int, int] = field(default_factory=dict)  # worker -> the rounds before it rejoined (it counts from 0)
     queued: dict[int, deque[tuple[Tensor, Optional[Answer], bool]]] = field(default_factory=dict)  # not merged yet
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
+    present: Optional[Tensor] = None  # the rows of the last round, when it was a row-sparse push without an optimizer
     rescale: Optional[tuple[int, float]] = None  # (round, rescale) the round's first pull brought (the others must agree)
     pulls: list[Answer] = field(default_factory=list)
 
@@ -256,6 +259,7 @@ class Rounds:
         assert p.value is not None
         if merged is not None:
             apply_push(self.optimizer, p.state_key, merged, p.value, merged_is_scratch=merged is p.scratch, rescale=rescale)
+        p.present = merged.indices()[0] if merged is not None and merged.is_sparse and self.optimizer is None else None
         p.rounds += 1
         ready = [w for w in p.pulls if w.round <= p.rounds]
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
@@ -290,7 +294,7 @@ class Rounds:
                 updated += p.nbytes
             elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
                 p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
-            w = Answer(req, i, e.round, e.rows)
+            w = Answer(req, i, e.round, e.rows, present=e.present)
             if e.mirror:
                 out.append(w)
             elif p.mode == "async" or e.round <= p.rounds:
@@ -303,6 +307,9 @@ class Rounds:
         assert p.value is not None
         if w.rows is not None:
             w.value = p.value.index_select(0, w.rows)
+        elif w.present:  # the rows every worker's row-sparse push of the round brought (zero sums too), else those not zero
+            held = p.value.ne(0).any(1) if p.present is None else torch.zeros(p.rows, dtype=torch.bool).index_fill_(0, p.present, True)
+            w.value = torch.cat([p.value, held.to(p.dtype).unsqueeze(1)], 1)
         elif p.mode == "async":
             w.value = p.value.clone()
         else:

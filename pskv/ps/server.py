@@ -311,8 +311,8 @@ class Server(Node):
         entries = []
         with _Frames(msg) as frames:
             for row in PULL.unpack(frames.take()):
-                wanted = frame_tensor(frames.take(), torch.int64) if row.rows else None
-                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, _rescale(row), bool(row.mirror)))
+                wanted = frame_tensor(frames.take(), torch.int64) if row.rows == 1 else None
+                entries.append(PullEntry(self.rounds.part(row.key, row.part), row.round, wanted, _rescale(row), bool(row.mirror), row.rows == 2))
                 req.shm.append(bool(row.shm))
         return entries
 

@@ -231,6 +231,27 @@ def test_row_sparse_over_split_keys(inproc_job: Job) -> None:
     assert job.run_workers(body) == [[[5, 7, 1999], [3.0, 7.0, 1997.0]]] * 2
 
 
+def test_a_sparse_pull_holds_the_rows_pushed_that_sum_to_zero(inproc_job: Job) -> None:
+    """No optimizer: the pushes' sum replaces the value; a pull into a sparse out holds the rows any worker
+    pushed (row 5 sums to 0 over the workers, row 7 was pushed as 0), on a key split over both servers."""
+    job = inproc_job(2, 2)
+
+    def body(kv: KVStore) -> list[list[float]]:
+        kv.init("emb", torch.ones(2000, 600))
+        rows = [[5, 7, 1999], [5, 1500]][kv.rank]
+        vals = torch.tensor([[1.0, 0, 2], [-1.0, 3]][kv.rank]).unsqueeze(1).expand(-1, 600)
+        kv.push("emb", torch.sparse_coo_tensor(torch.tensor([rows]), vals, (2000, 600), check_invariants=True))
+        out = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.zeros(1, 600), (2000, 600), check_invariants=True)
+        kv.pull("emb", out, ignore_sparse=False)
+        out = out.coalesce()
+        kv.init("none", torch.ones(5, 0))  # rows without elements: none to hold
+        empty = torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 0), (5, 0))
+        kv.pull("none", empty, ignore_sparse=False)
+        return [out.indices()[0].tolist(), out.values()[:, 0].tolist(), empty._nnz()]
+
+    assert job.run_workers(body) == [[[5, 7, 1500, 1999], [0.0, 0.0, 3.0, 2.0], 0]] * 2
+
+
 # -- failures: never a silent hang ----------------------------------------------------------------
 
 

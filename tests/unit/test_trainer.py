@@ -686,6 +686,31 @@ def test_overlap_sums_sparse_gradients_without_update_on_kvstore(inproc_job: Job
             assert torch.equal(got, want), (overlap, got)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sparse_rows_whose_summed_gradient_is_zero_are_updated_lazily(inproc_job: Job, overlap: bool) -> None:
+    """update_on_kvstore=False: row 1's gradients cancel over the workers, row 2 is looked up with a zero
+    gradient. The pulled sum dropped both (zero rows), so they got no wd/momentum step: one process gives them
+    one. Lazy sgd, lr 0.5, momentum 0.9, wd 0.1, zero gradient: w = 1 - 0.5 * 0.1 = 0.95, then
+    w = 0.95 - 0.5 * (0.9 * 0.1 + 0.1 * 0.95) = 0.8575; row 4 is never looked up and stays 1."""
+    data = {0: ([0, 1, 2], [1.0, 1.0, 0.0]), 1: ([1, 3], [-1.0, 2.0])}  # ids, each lookup's gradient
+
+    def train(kv: Optional[KVStore], ids: list[int], signs: list[float], **kw: Any) -> torch.Tensor:
+        emb = nn.Embedding(5, 2, sparse=True)
+        nn.init.ones_(emb.weight)
+        tr = pskv.Trainer(emb.parameters(), "sgd", {"learning_rate": 0.5, "momentum": 0.9, "wd": 0.1}, kvstore=kv, **kw)
+        for _ in range(2):
+            (emb(torch.tensor(ids)) * torch.tensor(signs).unsqueeze(1)).sum().backward()
+            tr.step(1)
+            emb.weight.grad = None
+        tr.synchronize()
+        return emb.weight.detach().clone()
+
+    want = train(None, data[0][0] + data[1][0], data[0][1] + data[1][1])
+    assert torch.allclose(want[[1, 2, 4], 0], torch.tensor([0.8575, 0.8575, 1.0]))
+    got = inproc_job(2, 1).run_workers(lambda kv: train(kv, *data[kv.rank], update_on_kvstore=False, overlap=overlap))
+    assert all(torch.equal(g, want) for g in got), (want, got)
+
+
 def test_a_worker_without_a_sparse_gradient_in_a_step_updates_as_the_others(inproc_job: Job) -> None:
     """Worker 1 does not use the embedding in step 2 (ignore_stale_grad): it pushed dense zeros and took the sum
     dense, so its optimizer ran on every row (momentum) where the others' ran lazily on the rows looked up:
