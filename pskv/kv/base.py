@@ -95,6 +95,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._on_device = type_name in ("device", "dist_device_sync")
         self._values: dict[int, Tensor] = {}  # an in-process store's values
+        self._present: dict[int, Optional[Tensor]] = {}  # rows of its last row-sparse push summed without an optimizer
 
     @property
     def rank(self) -> int:
@@ -375,13 +376,17 @@ class KVStore:
             stored = self._values[meta.id]
             merged = reduce_values(values, self._device(values[0])).to(stored.device)
             apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True, rescale=rescale)  # merged is ours
+            self._present[meta.id] = merged.indices()[0] if merged.is_sparse and self._optimizer is None else None  # (zero sums too)
         return None
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         for meta, outs in items:
             stored = self._values[meta.id]
             for out in outs:
-                out.copy_(stored.to_sparse(1) if out.is_sparse else stored)
+                if out.is_sparse and (rows := self._present.get(meta.id)) is not None:  # the rows pushed (dist: rounds.Part.present)
+                    write_rows(out, rows, stored.index_select(0, rows))
+                else:
+                    out.copy_(stored.to_sparse(1) if out.is_sparse else stored)
         return None
 
     def _pushpull_impl(self, items: list[Group], outs: list[Group], priority: int, wait: bool) -> Optional[Handle]:

@@ -711,6 +711,26 @@ def test_sparse_rows_whose_summed_gradient_is_zero_are_updated_lazily(inproc_job
     assert all(torch.equal(g, want) for g in got), (want, got)
 
 
+@pytest.mark.parametrize("store", ["local", "device"])
+def test_replicas_sparse_rows_whose_summed_gradient_is_zero_are_updated_lazily(store: str) -> None:
+    """The case above with two replicas of one process: the in-process store's pull into a row-sparse
+    gradient kept only the rows not all zero (rows 1 and 2 stayed at 1); 0.8575 as one replica gives."""
+    data = [([0, 1, 2], [1.0, 1.0, 0.0]), ([1, 3], [-1.0, 2.0])]
+    embs = [nn.Embedding(5, 2, sparse=True) for _ in data]
+    for e in embs:
+        nn.init.ones_(e.weight)
+    tr = pskv.Trainer([e.parameters() for e in embs], "sgd", {"learning_rate": 0.5, "momentum": 0.9, "wd": 0.1}, kvstore=store,
+                      update_on_kvstore=False)  # fmt: skip
+    for _ in range(2):
+        for e, (ids, signs) in zip(embs, data):
+            (e(torch.tensor(ids)) * torch.tensor(signs).unsqueeze(1)).sum().backward()
+        tr.step(1)
+        for e in embs:
+            e.weight.grad = None
+    for e in embs:
+        assert torch.allclose(e.weight.detach()[:, 0], torch.tensor([-0.5675, 0.8575, 0.8575, -1.9925, 1.0])), e.weight
+
+
 def test_a_worker_without_a_sparse_gradient_in_a_step_updates_as_the_others(inproc_job: Job) -> None:
     """Worker 1 does not use the embedding in step 2 (ignore_stale_grad): it pushed dense zeros and took the sum
     dense, so its optimizer ran on every row (momentum) where the others' ran lazily on the rows looked up:
