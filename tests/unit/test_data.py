@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import csv
 import os
 import pickle
@@ -166,6 +167,8 @@ def test_split_and_load_takes_a_numpy_batch() -> None:
     assert [p.tolist() for p in parts] == [[[0, 1]], [[2, 3]], [[4, 5]]]
     flipped = np.arange(8).reshape(2, 4)[:, ::-1]  # negative strides (a numpy flip): torch.as_tensor refused it
     assert [p.tolist() for p in split_and_load(flipped, ["cpu"] * 2)] == [[[3, 2, 1, 0]], [[7, 6, 5, 4]]]
+    view = memoryview(array.array("f", [1, 2, 3, 4]))  # has strides, no .copy(): an AttributeError from the numpy test
+    assert [p.tolist() for p in split_and_load(view, ["cpu"] * 2)] == [[1.0, 2.0], [3.0, 4.0]]
 
 
 # =========================================================================== CIFAR-10
