@@ -134,10 +134,10 @@ def run_worker(args: argparse.Namespace) -> int:
         if args.resume:
             print(f"pskv train: resuming from {resumed}, {progress['epoch']} epochs done" if resumed else f"pskv train: no checkpoint in {args.checkpoint_dir} yet; starting", flush=True)
     history: list[dict[str, Any]] = progress.get("history", [])
-    first = since = progress.get("epoch", 0)
+    first, steps = progress.get("epoch", 0), progress.get("steps", progress.get("epoch", 0) * steps_per_epoch)  # steps: this worker's batches so far
     if kv.rejoined:  # in a lost worker's place (pskv launch --max-restarts): in from the others' next epoch
         everyone = kv.allgather({"rank": rank})
-        first = since = max(e.get("epoch", 0) for e in everyone)
+        first, steps = max((e.get("epoch", 0), e.get("steps", 0)) for e in everyone)
         sampler, test_part, leader = share(everyone)
         trainer.pull_weights()
         if args.checkpoint_dir:  # the others save the epoch they have finished: its barrier counts this worker in
@@ -154,7 +154,7 @@ def run_worker(args: argparse.Namespace) -> int:
             file=sys.stderr, ncols=100, disable=rank != leader or args.no_progress,
         )  # fmt: skip
         t0, exchange = time.perf_counter(), 0.0
-        for i, (x, y) in enumerate(bar):
+        for i, (x, y) in enumerate(bar, steps):
             t1, before = time.perf_counter(), (loss_sum, correct)
             for net in nets:  # (all: a short last batch leaves some without rows, and no gradient to push)
                 net.zero_grad()
@@ -172,12 +172,12 @@ def run_worker(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}")
             for name, value in (dict(loss=(loss_sum - before[0]) / len(x), accuracy=(correct - before[1]) / len(x), lr=trainer.learning_rate,
                                      samples_per_s=len(x) / (t3 - t1), exchange_share=(t3 - t2) / (t3 - t1)) if board else {}).items():  # fmt: skip
-                board.add_scalar(f"step/{name}", value, epoch * steps_per_epoch + i)  # this worker's batch
-        seconds = time.perf_counter() - t0
+                board.add_scalar(f"step/{name}", value, i)  # this worker's batches before it (epoch * steps_per_epoch + i repeated some after a lost worker)
+        seconds, steps = time.perf_counter() - t0, i + 1
 
         # 5. Measure this worker's test share; gather everyone's numbers (kv.allgather) for a report over all data.
         mine = {"loss": loss_sum, "correct": correct, "seen": seen, "seconds": seconds, **evaluate(test_part)}
-        everyone = kv.allgather({**mine, "rank": rank, "epoch": epoch + 1, "since": since})  # the workers in the job now
+        everyone = kv.allgather({**mine, "rank": rank, "epoch": epoch + 1, "since": first, "steps": steps})  # the workers in the job now
         sampler, test_part, leader = share(everyone)
         everyone = [e for e in everyone if "seen" in e]  # not a worker that rejoins here
         total = {key: sum(e[key] for e in everyone) for key in mine}
@@ -206,7 +206,7 @@ def run_worker(args: argparse.Namespace) -> int:
                   f"{row['samples_per_sec_per_worker']:.1f} samples/s per worker, "
                   f"{row['samples_per_sec']:.1f} samples/s total", flush=True)
         if args.checkpoint_dir:
-            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history, "per_epoch": per_epoch, "loss_scale": vars(scale) if scale else {}}, writer=leader)
+            checkpoint.save(args.checkpoint_dir, epoch + 1, nets[0], trainer, {"history": history, "per_epoch": per_epoch, "steps": steps, "loss_scale": vars(scale) if scale else {}}, writer=leader)
     if rank == leader and history:  # the run's time: its epochs' (a resumed run's before too); samples/s: their rates by time
         last, seconds = history[-1], sum(r["seconds"] for r in history)
         rate = sum(r["samples_per_sec"] * r["seconds"] for r in history) / seconds

@@ -760,11 +760,13 @@ def test_max_restarts_pskv_train_takes_a_restarted_worker_back(tmp_path: Path, v
     assert [e["epoch"] for e in saved] == list(range(1, 13)), saved
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    curves = []  # the epochs' rows on disk: the reporting worker's (a worker 0 back wrote its own too)
+    curves, batches = [], []  # the epochs' rows on disk: the reporting worker's (a worker 0 back wrote its own too)
     for path in (tmp_path / "tb").glob("events.out.tfevents.*"):
         (events := EventAccumulator(str(path))).Reload()
         curves.append([s.step for s in events.Scalars("epoch/loss")] if "epoch/loss" in events.Tags()["scalars"] else [])
+        batches += [s.step for s in events.Scalars("step/loss")] if "step/loss" in events.Tags()["scalars"] else []
     assert sorted(step for c in curves for step in c) == [int(e) for e in printed], curves
+    assert len(batches) == len(set(batches)), sorted(batches)  # (epochs of 2 workers after the loss wrote steps 45-52 twice)
 
 
 def test_max_restarts_with_replicas_after_a_lost_server(tmp_path: Path) -> None:

@@ -166,3 +166,29 @@ def test_an_epoch_that_lost_a_worker_measures_the_whole_test_set(tmp_path: Path,
     data = _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=4)  # 4 test images
     assert train.main(_args(data, "--epochs", "1", "--batch-size", "4")) == 0
     assert sorted(set(measured)) == [0, 1, 2, 3], measured
+
+
+def test_tensorboard_steps_go_on_after_a_resume_with_more_workers_and_a_lost_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step of a batch's curves was epoch * steps_per_epoch + i, steps_per_epoch as the job began: resumed with
+    2 workers after an epoch by 1 (2 batches an epoch, not 4), and 2 epochs after worker 1 was lost (4 batches an
+    epoch again), steps 2, 3, 6 and 7 came twice. Now each is this worker's count of batches before it."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=8)  # 16 images, batches of 4
+    args = _args(data, "--batch-size", "4", "--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--tensorboard", str(tmp_path / "tb"))
+    assert train.main([*args, "--epochs", "1"]) == 0
+    create = train.create
+
+    def lost_one(name: str) -> object:  # 2 workers; the allgather answers worker 0 alone: worker 1 lost in epoch 2
+        kv = create(name)
+        kv.__class__ = type("LostOne", (type(kv),), {"num_workers": property(lambda self: 2)})
+        return kv
+
+    monkeypatch.setattr(train, "create", lost_one)
+    assert train.main([*args, "--epochs", "4"]) == 0
+    steps = []
+    for path in (tmp_path / "tb").glob("events.out.tfevents.*"):
+        (events := EventAccumulator(str(path))).Reload()
+        steps += [s.step for s in events.Scalars("step/loss")]
+    assert sorted(steps) == list(range(4 + 2 + 4 + 4)), steps
