@@ -126,8 +126,8 @@ def run_worker(args: argparse.Namespace) -> int:
         checkpoint.load_states(resumed, trainer, updates=progress["epoch"] * per_epoch if progress.get("per_epoch") != per_epoch else None)  # (W may differ now)
         vars(scale).update(progress.get("loss_scale", {})) if scale else None  # fp16: the scale and its count of good steps go on
 
+    store = f"{kv.type} with {servers} server(s)" if dist else kv.type  # (the plot's title too: no "0 servers" for local)
     if rank == 0 and not kv.rejoined:
-        store = f"{kv.type} with {servers} server(s)" if kv.type.startswith("dist") else kv.type
         print(f"pskv train: {args.model} on {args.dataset} ({len(train_set)} train / {len(test_set)} test "
               f"images), {workers} worker(s) x {len(devices)} device(s), store {store}, "
               f"batch {args.batch_size} per worker, {args.epochs} epochs", flush=True)
@@ -223,7 +223,7 @@ def run_worker(args: argparse.Namespace) -> int:
             args.report.parent.mkdir(parents=True, exist_ok=True)
             args.report.write_text(json.dumps(report, indent=2).replace("NaN", "null") + "\n")  # (NaN is not JSON; no free text in it)
         if args.plot:
-            plot(history, args.plot, f"{args.model} on {args.dataset}: {workers} workers, {servers} servers ({kv.type})")
+            plot(history, args.plot, f"{args.model} on {args.dataset}: {workers} worker(s), store {store}")
     board.close() if board else None
     kv.close()
     return 0

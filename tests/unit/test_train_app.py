@@ -192,3 +192,12 @@ def test_tensorboard_steps_go_on_after_a_resume_with_more_workers_and_a_lost_wor
         (events := EventAccumulator(str(path))).Reload()
         steps += [s.step for s in events.Scalars("step/loss")]
     assert sorted(steps) == list(range(4 + 2 + 4 + 4)), steps
+
+
+def test_the_plot_title_of_a_local_store_names_no_servers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--kv-store local --plot: the title said "1 workers, 0 servers (local)"; now as the first line: the store."""
+    titles: list[str] = []
+    monkeypatch.setattr(train, "plot", lambda history, path, title: titles.append(title))
+    data = _class_folders(tmp_path / "data", ("a", "b"), ("a", "b"), per_class=2)
+    assert train.main(_args(data, "--epochs", "1", "--batch-size", "4", "--plot", str(tmp_path / "p.png"))) == 0
+    assert titles == ["small_cnn on folder: 1 worker(s), store local"], titles
