@@ -189,8 +189,7 @@ def run_worker(args: argparse.Namespace) -> int:
             "train_acc": total["correct"] / total["seen"],
             "test_acc": total["test_correct"] / total["test_seen"] if total["test_seen"] else math.nan,  # (Kaggle's test: no labels)
             "seconds": max(e["seconds"] for e in everyone),  # an epoch ends when its slowest worker is done
-            "samples_per_sec": sum(e["seen"] / e["seconds"] for e in everyone),
-            "samples_per_sec_per_worker": sum(e["seen"] / e["seconds"] for e in everyone) / len(everyone),
+            "samples_per_sec": (rates := sum(e["seen"] / e["seconds"] for e in everyone)), "samples_per_sec_per_worker": rates / len(everyone),
             "lr": trainer.learning_rate,
             "workers": len(everyone),
             "exchange_share": exchange / seconds,  # of this worker's epoch: the time in trainer.step
