@@ -226,6 +226,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--watch-stdin", action="store_true", help="stop the command when standard input reaches EOF")
     p.add_argument("--secret-stdin", action="store_true", help="the first line of standard input is the job's secret (PSKV_SECRET for the command)")
     p.add_argument("--workers-here", type=int, default=0, metavar="N", help="N workers share this host: OMP_NUM_THREADS = cores / N unless set")
+    p.add_argument("--say-finished", action="store_true", help="say when the command exited 0, on stdout and stderr (mpi: mpirun ends only with the servers)")
     p.add_argument("--status-dir", metavar="DIR", help="write ROLE.RANK.status with the exit status there")
     p.add_argument("--grace", type=float, default=5.0, metavar="SECONDS", help="SIGKILL this long after SIGTERM (default 5)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command (after --)")
@@ -248,7 +249,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rank = env.get(ID_VARS.get(role, ""), "?")
     name = f"{role} {rank}" if role in ID_VARS else role
     prefix = "[" + args.prefix.format(role=role, rank=rank, host=socket.gethostname()) + "] " if args.prefix else ""
-    status = Guard(command, env, name, prefix, args.grace).run(args.watch_stdin)
+    guard = Guard(command, env, name, prefix, args.grace)
+    for fd in (1, 2) if (status := guard.run(args.watch_stdin)) == 0 and args.say_finished else ():  # after its output, on both
+        guard._write(fd, [f"pskv guard: {name} finished\n".encode()])
     if args.status_dir:
         with contextlib.suppress(OSError), open(os.path.join(args.status_dir, f"{role}.{rank}.status"), "w") as f:
             f.write(f"{status}\n")

@@ -102,7 +102,7 @@ class ProcessContext:
         self.lifeline, self._lifeline_w = os.pipe()
         self.started_fd = -1  # where the scheduler says the job started (start_scheduler)
         self.started = self.ended = False  # what the scheduler said: the job started, ended
-        self.joined = 0  # workers that registered with it (before the start)
+        self.joined = self.finished = 0  # workers that registered with it (before the start); whose guard said "finished" (mpi)
         self.restarts = self.max_restarts = 0  # of workers it declared lost (--max-restarts)
         self.unjoined: set[str] = set()  # restarted, not registered yet: stopped if the job ends first
         self.starting, self.deferred = False, 0  # in start(): run_job's signal handler defers a signal till it returns
@@ -145,6 +145,7 @@ class ProcessContext:
         with self._lock:
             if not proc.failure:  # a guard's failure line ("pskv guard: worker 1 failed: ..."): quoted in the report, its status taken
                 proc.failure = next((line.strip() for line in lines if "pskv guard: " in line and " failed: " in line), "")
+            self.finished += len(lines) - len(lines := [line for line in lines if not re.search(r"pskv guard: worker \d+ finished\s*$", line)])  # (counted, not shown)
             proc.tail = [*proc.tail, *(line.rstrip("\r\n") for line in lines if line.strip())][-self.TAIL :]
             if show != "tail":
                 tag = f"[{proc.name}] " if show == "prefix" else ""
@@ -152,12 +153,12 @@ class ProcessContext:
                     sink.write("".join(tag + line for line in lines))
                     sink.flush()
 
-    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None, min_workers: int = 0, replicas: int = 0) -> int:
+    def wait(self, finish_timeout: float = 60.0, timeout: Optional[float] = None, min_workers: int = 0, replicas: int = 0, num_workers: int = -1) -> int:
         """Wait for the job; the launcher's exit status. The job succeeds when every main process
         exits 0 and every helper then exits by itself within ``finish_timeout``. The first process
         to fail stops all others, and its status is returned, unless it is a worker and at least
         ``min_workers`` others remain, or the first server lost with ``replicas`` (the job goes on
-        without it); ``timeout`` stops the job with 124."""
+        without it); ``timeout`` stops the job with 124. ``num_workers``: W; 2W "finished" lines of the guards (mpi: on stdout and stderr) end a job not started."""
         started = time.monotonic()
         finished_at: Optional[float] = None
         lost: list[Watched] = []  # declared lost: the job goes on without them
@@ -208,8 +209,8 @@ class ProcessContext:
                     return self._stop(0, f"the job finished; stopped {', '.join(left)}, declared lost earlier")
                 self._drain()
                 return 0
-            if finished_at is not None and not self.started and any(p.name == "scheduler" for p in self.procs):
-                return self._stop(0, f"the workers finished before the job started (none made a dist store); stopped {', '.join(alive)}")
+            if (finished_at is not None or self.finished == 2 * num_workers) and not self.started and any(p.name == "scheduler" for p in self.procs):
+                return self._stop(0, f"the workers finished before the job started (none made a dist store); stopped {', '.join(p.name for p, _ in self.watched if p.returncode is None)}")
             gone = [p.name for p, main in self.watched if main and p.returncode == 0 and p.name.startswith("worker ")]
             if gone and self.joined and not self.started:  # it needs every worker: it can never start
                 return self._stop(1, f"{', '.join(gone)} finished before the job started, without joining it (no dist store); "
@@ -425,7 +426,7 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
             env = {**spec.environ, **spec.env}
             min_workers, replicas = int(env.get("PSKV_MIN_WORKERS") or 0), int(env.get("PSKV_REPLICAS") or 0) if spec.num_servers > 1 else 0
             ctx.max_restarts = int(env.get("PSKV_MAX_RESTARTS") or 0) if min_workers else 0
-            status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas)
+            status = ctx.wait(finish_timeout=max(30.0, config.heartbeat_timeout() * 2), timeout=timeout, min_workers=min_workers, replicas=replicas, num_workers=spec.num_workers)
         return status
     except BaseException as exc:
         ctx.stop_all()

@@ -63,7 +63,7 @@ class Mpi(Backend):
                 env_args += ["-envlist", "PSKV_SECRET"] if mpich else ["-x", "PSKV_SECRET"]
             offset = spec.num_servers if role == "worker" else 0  # MPI numbers the workers after the servers
             rank = ["--rank-from", RANK_VARS, *(["--rank-offset", str(offset)] if offset else [])]
-            guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}")
+            guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}", *(["--say-finished"] if role == "worker" else []))
             for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
                 where = ["--host", host] if host else []
                 argv += [*sep, "-n" if mpich else "-np", str(n), *where, *env_args, *guarded]

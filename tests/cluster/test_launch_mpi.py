@@ -7,6 +7,7 @@ traffic on the loopback interface.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -74,3 +75,15 @@ def test_a_crashing_worker_ends_the_mpi_job(tmp_path: Path) -> None:
     pids = pids_in(res.stdout)
     assert len(pids) == 3, res
     assert wait_gone(mark, pids, cwd_under=project) == []
+
+
+@pytest.mark.timeout(180)
+def test_workers_that_never_make_a_store_end_the_mpi_job_at_once(tmp_path: Path) -> None:
+    """As with the other launchers: the scheduler and mpirun (its servers) are stopped when the workers'
+    guards say they finished, status 0. mpirun ends only with its servers, which waited PSKV_START_TIMEOUT
+    (120 s) for workers that never came, and the job failed (status 1)."""
+    (tmp_path / "nostore.py").write_text("print('no store here', flush=True)\n")
+    argv = mpi_launch(tmp_path, ["--", sys.executable, str(tmp_path / "nostore.py")])
+    res = run(argv, timeout=120, env=mpi_env({**os.environ, "PSKV_START_TIMEOUT": "60"}))
+    assert res.code == 0 and res.stdout.count("no store here") == 3, res
+    assert "the workers finished before the job started (none made a dist store); stopped scheduler, mpirun" in res.stderr, res
