@@ -27,20 +27,20 @@ class _Distributed:
     _pskv_frozen: set[int]  # ids of the parameters frozen when wrapped (the Trainer leaves them out)
     _pskv_used: Any  # the store's key for how many workers had each parameter's gradient
     _pskv_skip = _pskv_synced = False
-    _pskv_inner: Optional[Callable[[], Any]] = None  # the step an LR scheduler made before wrapping put on the optimizer
+    _pskv_inner: Optional[Callable[..., Any]] = None  # the step an LR scheduler made before wrapping put on the optimizer
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """:meth:`synchronize` (unless inside :meth:`skip_synchronize`), then the wrapped optimizer's step."""
-        loss = None
-        if closure is not None:
+        """:meth:`synchronize` (unless inside :meth:`skip_synchronize`), then the wrapped optimizer's step (its
+        scheduler's, made before wrapping, which counts it), with ``closure`` summed at each call (LBFGS makes several)."""
+        def summed() -> Any:
+            self._pskv_synced = False  # (its backward's gradients are new)
             with torch.enable_grad():
-                loss = closure()
-        if not self._pskv_skip:
+                loss = closure()  # type: ignore[misc]
             self.synchronize()
-        if self._pskv_inner is not None:
-            self._pskv_inner()  # (it runs the wrapped optimizer's step, and counts it for its scheduler)
-        else:
-            super().step()  # type: ignore[misc]
+            return loss
+        if closure is None and not self._pskv_skip:
+            self.synchronize()
+        loss = (self._pskv_inner or super().step)(summed if closure is not None else None)  # type: ignore[misc]
         self._pskv_synced = False
         return loss
 

@@ -357,3 +357,30 @@ def test_two_backward_passes_before_a_step_count_each_once(inproc_job: Job, op: 
     for got in inproc_job(2, 1).run_workers(worker):
         for a, w in zip(got, net.parameters()):
             assert torch.allclose(a, w, rtol=1e-5, atol=1e-6), (a - w).abs().max()
+
+
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_a_closure_that_the_optimizer_calls_several_times_is_summed_each_time(inproc_job: Job, op: str) -> None:
+    """LBFGS calls its closure (zero_grad, forward, backward) several times a step, as it does with DDP: each
+    call's gradients are summed. The wrapper called the closure once itself and LBFGS's step without it
+    (TypeError: missing 'closure'). Checked against one process on both workers' batches."""
+
+    def train(kv: Any, ranks: list[int]) -> list[torch.Tensor]:
+        net = _net()
+        opt = torch.optim.LBFGS(net.parameters(), lr=0.5, max_iter=4)
+        if kv is not None:
+            opt = pskv.DistributedOptimizer(opt, kv, op=op)
+        for step in range(2):
+            def closure(step: int = step) -> torch.Tensor:
+                opt.zero_grad()
+                loss = sum(nn.functional.cross_entropy(net(x), y) for x, y in (_batch(step, r) for r in ranks))
+                (loss / (len(ranks) if op == "average" else 1)).backward()  # type: ignore[union-attr]
+                return loss  # type: ignore[return-value]
+            opt.step(closure)
+        return [p.detach().clone() for p in net.parameters()]
+
+    got = inproc_job(2, 1).run_workers(lambda kv: train(kv, [kv.rank]))
+    want = train(None, [0, 1])
+    for a, b, w in zip(got[0], got[1], want):
+        assert torch.equal(a, b), "the workers' weights differ"
+        assert torch.allclose(a, w, rtol=1e-4, atol=1e-5), (a - w).abs().max()
