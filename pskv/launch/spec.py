@@ -216,7 +216,7 @@ class JobSpec:
         if role == "worker":
             if rank is not None:
                 env.update(RANK=str(rank), WORLD_SIZE=str(self.num_workers))
-            env.update(torch or {})
+            env.update({**(torch or {}), **self.env})  # (--env MASTER_PORT:N wins over the launcher's pick too)
         env.update(self.role_env.get(role, {}))
         env.pop("PSKV_SECRET", None)  # never in a plan, a script or on a command line
         return env

@@ -153,6 +153,8 @@ def test_env_precedence_launcher_counts_are_not_options_role_options_last() -> N
     assert worker["DMLC_NUM_WORKER"] == "3" and worker["X"] == "worker" and worker["LOCAL_RANK"] == "0"
     here = spec.process_env("worker", "h", 1, 0, base={"HOME": "/h", "X": "base"})
     assert here["HOME"] == "/h" and here["X"] == "worker"
+    picked = _spec(env={"MASTER_PORT": "29500"}).process_env("worker", "h", 1, 0, torch={"MASTER_PORT": "4242"})
+    assert picked["MASTER_PORT"] == "29500"  # --env MASTER_PORT:29500 (for every process) was replaced by the launcher's pick
     forwarded = _spec(environ={"PSKV_A": "1", "PSKV_PORT_FD": "3", "OTHER": "x"}, env={}).process_env("scheduler", "h", 1)
     assert {k: v for k, v in forwarded.items() if not k.startswith(("DMLC_", "PYTHON"))} == {"PSKV_A": "1"}
 
