@@ -75,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         trainer = None
         if args.config == "torchopt":
             kv = pskv.kv.create("dist_device_sync")
-            opt = pskv.DistributedOptimizer(opt, kv, op="sum")
+            opt = pskv.DistributedOptimizer(opt, kv)  # ("average": its exchange overlaps backward on a GPU; "sum" sends in step)
             rank, world = kv.rank, kv.num_workers
     else:
         kv = pskv.kv.create("dist_device_sync") if args.config in ("pskv", "pskvsum") else None

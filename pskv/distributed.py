@@ -102,7 +102,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     or a type name) first: the mean (``op="average"``, as DDP and Horovod) or the sum (``"sum"``).
     The result is an instance of the optimizer's own class (``isinstance`` holds, so LR schedulers
     take it) that shares its state and ``param_groups``. Gradients leave during backward where the
-    Trainer would overlap (``overlap=None``; docs/SPEC.md, "Overlap"); a parameter without a gradient
+    Trainer would overlap (``overlap=None``; docs/SPEC.md, "Overlap"), in ``step`` with ``"sum"``; a parameter without a gradient
     on a worker counts as zeros there, and keeps none where no worker has one. Making it sends worker 0's weights to every worker, as ``broadcast_parameters``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TrainerError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -116,7 +116,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     if wrapped._pskv_inner is not None:  # scheduler put on it (wrapped before: kept) does not sum: ours goes in its place
         wrapped.step = lambda closure=None: _Distributed.step(wrapped, closure)
         wrapped.step._wrapped_by_lr_sched = True
-    wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap)  # (its sgd is never used)
+    wrapped._pskv = Trainer(params, "sgd", kvstore=kv, update_on_kvstore=False, overlap=overlap if op == "average" else False)  # (its sgd is never used)
     wrapped._pskv_op, wrapped._pskv_params, store = op, params, wrapped._pskv.kvstore
     wrapped._pskv_frozen = {id(p) for p in params if not p.requires_grad}
     if op == "average":  # the means when backward ends, as DDP (a sum there would count an earlier backward W times)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -324,18 +324,19 @@ def test_parameters_the_wrapper_does_not_sum_are_refused_by_name() -> None:
     assert a.tolist() == b.tolist() == [0.0, 0.0]
 
 
-@pytest.mark.parametrize("op", ["average", "sum"])
-def test_two_backward_passes_before_a_step_count_each_once(inproc_job: Job, op: str) -> None:
+@pytest.mark.parametrize(("op", "overlap"), [("average", None), ("sum", None), ("sum", True)])
+def test_two_backward_passes_before_a_step_count_each_once(inproc_job: Job, op: str, overlap: Optional[bool]) -> None:
     """A GAN's D: errD_real.backward(); errD_fake.backward(); step(). With the sum made when each backward
-    ends, op="sum" counted the first backward W times; and a re-wrapped optimizer (after unfreezing) whose
+    ends, op="sum" counted the first backward W times, and with overlap (a GPU's default) its gradients left
+    in the first backward: the second was a TrainerError; and a re-wrapped optimizer (after unfreezing) whose
     LR scheduler was made before the first wrap must not step itself in a loop."""
 
     def worker(kv: KVStore) -> list[torch.Tensor]:
         net = _net()
         base = torch.optim.SGD(net.parameters(), lr=0.5)
         sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
-        pskv.DistributedOptimizer(base, kv, op=op)
-        dopt = pskv.DistributedOptimizer(base, kv, op=op)  # wrapped again (a parameter unfrozen, say)
+        pskv.DistributedOptimizer(base, kv, op=op, overlap=overlap)
+        dopt = pskv.DistributedOptimizer(base, kv, op=op, overlap=overlap)  # wrapped again (a parameter unfrozen, say)
         for step in range(2):
             dopt.zero_grad()
             for half in (0, 1):
