@@ -193,7 +193,8 @@ class Scheduler:
                   for i in range(want) if (r, i) not in ids and (r, None) not in ids]  # fmt: skip
         missing = (f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
                    f"{self.env.num_workers} workers registered with the scheduler at {self.bound}"
-                   f"{'; not registered: ' + ', '.join(absent) if absent else ''}")
+                   f"{'; not registered: ' + ', '.join(absent) if absent else ''}"
+                   f"{'' if have_w else ' (no worker made a dist store yet: a program that needs no servers runs with -s 0)'}")
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
             self.van.post(n.peer, error_reply(None, exc))

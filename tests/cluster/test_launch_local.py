@@ -227,6 +227,14 @@ def test_the_start_timeout_names_who_did_not_register_and_the_schedulers_port(tm
     assert said and int(said[1]) > 0, res  # the port it listens on (it said :0, what it was asked for)
 
 
+def test_a_job_whose_workers_make_no_store_is_told_of_s_0_at_the_start_timeout(tmp_path: Path) -> None:
+    """A torch-only program (torchrun's users' first try) under the default servers: the start timeout
+    says that a program that needs no servers runs with -s 0."""
+    res = launch(tmp_path, "import time\ntime.sleep(60)", 1, 1, timeout=60, env={"PSKV_START_TIMEOUT": "3"})
+    assert res.code != 0, res
+    assert "0 of 1 workers registered" in res.stderr and "a program that needs no servers runs with -s 0" in res.stderr, res
+
+
 def test_a_bad_setting_is_one_clear_line_not_a_traceback(tmp_path: Path) -> None:
     res = launch(tmp_path, "import pskv\npskv.kv.create('dist_sync')", 1, 1, timeout=60, launch_args=["--env", "PSKV_TIMEOUT:abc"])
     assert res.code == 2, res  # the launcher's "could not start" status
