@@ -187,13 +187,15 @@ class ProcessContext:
             if named is not None and named.returncode is None and time.monotonic() < (blame_until := blame_until or time.monotonic() + self.GRACE):
                 time.sleep(0.05)  # its error names a worker or server that is still exiting: that one's status is the job's
                 continue
-            if failed:
-                p = next((q for q in failed if q is named), failed[0])
-                code = p.returncode or 0
+            if failed:  # (the one named still runs: stopped (SIGSTOP), it is the one the others gave up on)
+                stopped = named if named is not None and named.returncode is None and getattr(named, "state", "") == "T" else None
+                p = next((q for q in failed if q is named), stopped or failed[0])
+                code = p.returncode or 1
                 self.stop_all()  # first: its readers' last lines may hold the guard's failure line
                 first = getattr(p, "failure", "")
                 cause = f" ({first})" if first else ""
-                self.report(f"{p.name} {describe_exit(code)}{cause}; stopped the other processes of the job", p)
+                how = "is stopped (SIGSTOP?) and the others gave up on it" if p is stopped else describe_exit(code)
+                self.report(f"{p.name} {how}{cause}; stopped the other processes of the job", failed[0] if p is stopped else p)
                 return failure_status(first) if first else exit_status(code)
             if finished_at is None and all(p.returncode == 0 for p, main in self.watched if main and p not in lost):
                 finished_at = time.monotonic()

@@ -136,6 +136,48 @@ def test_killed_server_is_named_and_the_job_stops(tmp_path: Path) -> None:
     assert res.seconds < 45, res
 
 
+FIND = """
+import os, signal, sys, time, torch, pskv
+from pskv.ps import message, van
+def find(*words):
+    \"\"\"The pid of this job's process whose environment holds every one of ``words`` (None: none yet).\"\"\"
+    want = [f"PSKV_LIFELINE={os.environ['PSKV_LIFELINE']}".encode(), *(w.encode() for w in words)]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\\0")
+        except OSError:
+            continue
+        if all(w in env for w in want):
+            return int(pid)
+def once_answered(then):
+    \"\"\"Run ``then`` once the scheduler answers a heartbeat, so it has this node's REGISTER.\"\"\"
+    recv = van.Van.recv
+    def recv_then(self, timeout):
+        got = recv(self, timeout)
+        if any(getattr(m, "type", None) == message.Type.HEARTBEAT_ACK for _, m in got) and not os.environ.get("ONCE"):
+            os.environ["ONCE"] = "1"
+            then()
+        return got
+    van.Van.recv = recv_then
+"""
+
+
+def test_a_stopped_server_without_replicas_is_named_not_the_scheduler(tmp_path: Path) -> None:
+    """A server stopped (SIGSTOP) past the heartbeat timeout, no --replicas: the scheduler declares it
+    lost and exits 1 first; the launcher named the scheduler, though the server is the one stopped."""
+    script = FIND + """
+kv = pskv.kv.create("dist_sync")
+kv.init("w", torch.zeros(4))
+if kv.rank == 0:
+    os.kill(kv._client.servers[1]["pid"], signal.SIGSTOP)
+time.sleep(60)
+"""
+    res = launch(tmp_path, script, 2, 2, env={"PSKV_HEARTBEAT_TIMEOUT": "3"}, timeout=120)
+    assert res.code == 1 and "pskv scheduler: server 1 (host " in res.stderr, res
+    assert "pskv launch: server 1 is stopped (SIGSTOP?)" in res.stderr, res
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_lost_server_is_named_at_once_without_the_launcher(tmp_path: Path, sig: signal.Signals) -> None:
     """Started by hand (no launcher watching): a killed server's closed connection tells the scheduler
