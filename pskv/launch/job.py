@@ -224,12 +224,12 @@ class ProcessContext:
             time.sleep(0.05)
 
     def _named(self, failed: Watched) -> Optional[Watched]:
-        """The worker or server that the last lines of ``failed`` name (its error: "worker 1 finished ...")."""
+        """The worker, server or scheduler that the last lines of ``failed`` name (its error: "worker 1 finished ...")."""
         for reader in getattr(failed, "readers", ()):  # its last lines, read to the end
             reader.join(timeout=1.0)
         last = " ".join(line for line in failed.tail[-3:] if "pskv" in line)  # pskv's errors, not the program's own lines
-        return next((q for q, _ in self.watched if q is not failed and q.name.startswith(("worker ", "server "))
-                     and re.search(rf"\b{re.escape(q.name)}\b", last)), None)
+        return next((q for q, _ in self.watched if q is not failed and q.name.startswith(("worker ", "server ", "scheduler")) and re.search(
+            r"the scheduler at \S+ (has not answered|closed its)" if q.name == "scheduler" else rf"\b{re.escape(q.name)}\b", last)), None)
 
     def _restart(self, name: str) -> None:
         """Start the worker ``name`` the scheduler declared lost anew, if --max-restarts allows and it is a

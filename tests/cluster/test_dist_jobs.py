@@ -163,6 +163,24 @@ def once_answered(then):
 """
 
 
+def test_a_stopped_scheduler_is_named_not_the_worker_that_noticed(tmp_path: Path) -> None:
+    """The scheduler stopped (SIGSTOP) past the heartbeat timeout: the workers fail ("has not answered"),
+    and the launcher named the first of them; the scheduler is stopped, and it is the one to name."""
+    script = FIND + """
+kv = pskv.kv.create("dist_sync")
+kv.init("w", torch.zeros(4))
+if kv.rank == 0:
+    os.kill(find("DMLC_ROLE=scheduler"), signal.SIGSTOP)
+for _ in range(600):
+    kv.push("w", torch.ones(4))
+    kv.pull("w", torch.empty(4))
+    time.sleep(0.05)
+"""
+    res = launch(tmp_path, script, 2, 2, env={"PSKV_HEARTBEAT_TIMEOUT": "3"}, timeout=120)
+    assert res.code == 1 and "has not answered" in res.stderr, res
+    assert "pskv launch: scheduler is stopped (SIGSTOP?)" in res.stderr, res
+
+
 def test_a_stopped_server_without_replicas_is_named_not_the_scheduler(tmp_path: Path) -> None:
     """A server stopped (SIGSTOP) past the heartbeat timeout, no --replicas: the scheduler declares it
     lost and exits 1 first; the launcher named the scheduler, though the server is the one stopped."""
