@@ -203,13 +203,16 @@ class Node:
                     early.append((peer, msg))
                 elif msg.type == Type.ERROR:
                     raise from_reply(msg.meta, f"the scheduler refused this {self.role}: ")
+                elif msg.type == Type.NODE_FAILED:  # after the table: this node, declared lost while it was stopped
+                    raise failure(msg)
                 elif msg.type == Type.NODES:
                     table = msg.meta or {}
                     self.rank, self.rejoined = int(table["rank"]), bool(table.get("rejoined"))
                     self.van.identity = (self.role, self.rank)
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])
                     self.last_heard = time.monotonic()
-                    return early
+            if self.rank >= 0:  # (once the rest of the table's batch is read)
+                return early
         missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
         raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
 

@@ -311,7 +311,6 @@ class Scheduler:
         exc = node_failed(node.info(), reason if self.started else f"{reason}, before the job started")
         if node.joining and self.acks is not None and node.peer in self.admits:
             return  # being admitted: lost as a member, once it is one
-        node.finished = True
         if node.joining:  # not a member yet: nothing waits for it
             self.admits.pop(node.peer, None)
             return self._let_go(node, f"{exc}; it was rejoining the job")
@@ -325,5 +324,5 @@ class Scheduler:
             note = f"the job goes on with {left} workers (PSKV_MIN_WORKERS={self.min_workers})"
             return self._go_on_without(node, f"{exc}; {note}", Message(Type.WORKER_LEFT, meta={"rank": node.rank, "lost": True}), "server")
         print(f"pskv scheduler: {exc}", file=sys.stderr, flush=True)
-        self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}) if self.started else error_reply(None, exc))
+        self._broadcast(Message(Type.NODE_FAILED, meta={**node.info(), "reason": reason}) if self.started else error_reply(None, exc))  # (to it too: stopped, it learns so once it goes on)
         self.status = 1

@@ -196,6 +196,32 @@ time.sleep(60)
     assert "pskv launch: server 1 is stopped (SIGSTOP?)" in res.stderr, res
 
 
+def test_a_worker_lost_across_the_start_is_told_so_when_it_goes_on(tmp_path: Path) -> None:
+    """Worker 1 registers and stops (SIGSTOP); the job starts and declares it lost at the heartbeat
+    deadline; worker 0 then continues it. It read its node table and failed 3 s later with "the scheduler
+    has not answered" (the scheduler had told everyone but it); it is now told it was declared lost."""
+    script = FIND + """
+if os.environ["DMLC_WORKER_ID"] == "1":
+    once_answered(lambda: os.kill(os.getpid(), signal.SIGSTOP))
+else:  # starts the job once worker 1 is stopped
+    while (victim := find("DMLC_ROLE=worker", "DMLC_WORKER_ID=1")) is None or "T" not in open(f"/proc/{victim}/stat").read().rsplit(")", 1)[1].split()[:1]:
+        time.sleep(0.1)
+try:
+    kv = pskv.kv.create("dist_sync")
+    kv.init("w", torch.zeros(4))
+    kv.pushpull("w", torch.ones(4), out=torch.empty(4))
+except pskv.NodeFailedError:
+    if os.environ["DMLC_WORKER_ID"] == "0":  # worker 1 was declared lost: it goes on now
+        os.kill(victim, signal.SIGCONT)
+        time.sleep(60)
+    raise
+"""
+    res = launch(tmp_path, script, 2, 2, env={"PSKV_HEARTBEAT_TIMEOUT": "3"}, timeout=120)
+    assert res.code == 1 and "pskv launch: worker 1 exited with status 1" in res.stderr, res
+    assert re.search(r"\[worker 1\] pskv\.errors\.NodeFailedError: .*worker 1 \(host .*\) failed: no heartbeat", res.stderr), res
+    assert "has not answered" not in res.stderr, res
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_lost_server_is_named_at_once_without_the_launcher(tmp_path: Path, sig: signal.Signals) -> None:
     """Started by hand (no launcher watching): a killed server's closed connection tells the scheduler
