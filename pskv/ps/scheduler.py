@@ -153,7 +153,7 @@ class Scheduler:
             if twin := [n.meta for n in self._members(role) if n.meta.get("id") == wanted]:
                 raise ClusterError(f"DMLC_{role.upper()}_ID={wanted} again: the {role} on {twin[0].get('hostname')} (pid "
                                    f"{twin[0].get('pid')}) has it; each {role} needs its own")
-        self.nodes[peer] = _Node(peer, role, meta)
+        self.nodes[peer] = _Node(peer, role, meta, -1 if wanted is None else wanted)  # (the rank asked for is its rank)
         say("scheduler", f"{role} registered from {meta.get('hostname')} pid {meta.get('pid')}")
         self._tell(f"registered {role}")
         if len(self._members("server")) == self.env.num_servers and len(self._members("worker")) == self.env.num_workers:

@@ -222,6 +222,23 @@ except pskv.NodeFailedError:
     assert "has not answered" not in res.stderr, res
 
 
+def test_a_worker_that_asked_for_its_rank_and_died_before_the_start_is_named_by_it(tmp_path: Path) -> None:
+    """Worker 0's store (in a child: the launcher sees no exit) registers with DMLC_WORKER_ID=0 and
+    dies before the start: the scheduler called it "a worker (host, pid, no rank yet)"."""
+    script = FIND + """
+if sys.argv[1:] == ["child"]:
+    once_answered(lambda: os.kill(os.getpid(), signal.SIGKILL))
+    pskv.kv.create("dist_sync")
+elif os.environ["DMLC_WORKER_ID"] == "0":
+    import subprocess
+    subprocess.run([sys.executable, __file__, "child"])
+time.sleep(60)
+"""
+    res = launch(tmp_path, script, 2, 2, env={"PSKV_HEARTBEAT_TIMEOUT": "3"}, timeout=120)
+    assert res.code == 1 and "pskv scheduler: worker 0 (host " in res.stderr, res
+    assert "no rank yet" not in res.stderr, res
+
+
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_lost_server_is_named_at_once_without_the_launcher(tmp_path: Path, sig: signal.Signals) -> None:
     """Started by hand (no launcher watching): a killed server's closed connection tells the scheduler
