@@ -194,7 +194,7 @@ class DistStore(KVStore):
         gpu = not sparse and comp is None and values[0].is_cuda
         if sparse:
             merged = reduce_values(values, torch.device("cpu"))
-            ids, vals = merged.indices()[0], merged.values().reshape(merged._nnz(), meta.row_numel)
+            ids, vals = merged.indices()[0], merged.values().reshape(merged._nnz(), meta.row_numel if meta.numel else 0)
         elif comp is not None:
             flats = [v.reshape(-1) for v in values]
             residuals = [comp.residual(meta.id, i, f) for i, f in enumerate(flats)]

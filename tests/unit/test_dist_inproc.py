@@ -252,6 +252,26 @@ def test_a_sparse_pull_holds_the_rows_pushed_that_sum_to_zero(inproc_job: Job) -
     assert job.run_workers(body) == [[[5, 7, 1500, 1999], [0.0, 0.0, 3.0, 2.0], 0]] * 2
 
 
+def test_a_row_sparse_push_to_a_key_without_elements(inproc_job: Job) -> None:
+    """A key of shape (5, 0): a row-sparse push failed in the worker with a bare RuntimeError ("shape '[2, 1]'
+    is invalid for input of size 0", from a reshape), where local takes it; it is taken, with an optimizer too."""
+    job = inproc_job(2, 2)
+
+    def body(kv: KVStore) -> list[Any]:
+        kv.init("none", torch.ones(5, 0))
+        seen = []
+        for opt in (None, pskv.optim.create("sgd", learning_rate=0.5, momentum=0.9)):
+            if opt is not None:
+                kv.set_optimizer(opt)
+            kv.push("none", torch.sparse_coo_tensor(torch.tensor([[1, 3 + kv.rank]]), torch.zeros(2, 0), (5, 0)))
+            dense, empty = torch.ones(5, 0), torch.sparse_coo_tensor(torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 0), (5, 0))
+            kv.pull("none", [dense, empty], ignore_sparse=False)
+            seen.append([tuple(dense.shape), tuple(empty.to_dense().shape)])
+        return seen
+
+    assert job.run_workers(body) == [[[(5, 0), (5, 0)]] * 2] * 2
+
+
 # -- failures: never a silent hang ----------------------------------------------------------------
 
 
