@@ -171,6 +171,16 @@ def test_split_and_load_takes_a_numpy_batch() -> None:
     assert [p.tolist() for p in split_and_load(view, ["cpu"] * 2)] == [[1.0, 2.0], [3.0, 4.0]]
 
 
+def test_split_and_load_keeps_a_memoryviews_shape_and_dtype() -> None:
+    """A 2-D memoryview failed ("could not determine the shape of object type 'memoryview'"), a float64 one
+    became float32 and bytes int64 (torch.as_tensor read them as Python numbers); now as numpy's: copied."""
+    a = np.arange(8, dtype=np.float64).reshape(4, 2)
+    parts = split_and_load(memoryview(a), ["cpu"] * 2)
+    a[0, 0] = 100
+    assert [(p.dtype, p.tolist()) for p in parts] == [(torch.float64, [[0, 1], [2, 3]]), (torch.float64, [[4, 5], [6, 7]])]
+    assert split_and_load(memoryview(b"\x01\x02"), ["cpu"])[0].dtype == torch.uint8
+
+
 # =========================================================================== CIFAR-10
 def _cifar_planes(n: int, seed: int) -> np.ndarray:
     """n images as channel-planar uint8 n x 3 x 32 x 32 with random but known pixels."""
