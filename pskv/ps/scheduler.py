@@ -279,7 +279,9 @@ class Scheduler:
         for node in self.nodes.values():
             silent = self.van.polled - node.last_seen  # not ``now``: what waits unread is not silence
             if self.started and not node.finished and silent > self.hb_timeout:
-                return self._lost(node, f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g})")
+                heard = min(self.van.polled - n.last_seen for n in self.nodes.values() if not n.finished)  # from anyone
+                alone = f"; no node has been heard for {heard:.1f} s: is this scheduler's host cut off?" if heard > 3 * config.heartbeat_interval() else ""
+                return self._lost(node, f"no heartbeat for {silent:.1f} s (PSKV_HEARTBEAT_TIMEOUT={self.hb_timeout:g}){alone}")
             if not node.finished and node.closed and self.van.polled - node.closed > 3 * config.heartbeat_interval():
                 return self._lost(node, "its connection to the scheduler closed: the process exited or was killed")
 

@@ -362,6 +362,25 @@ def test_dead_scheduler_is_noticed(monkeypatch: pytest.MonkeyPatch) -> None:
         fake.close(linger=0)
 
 
+def test_a_scheduler_that_hears_no_node_says_it_may_be_the_one_cut_off(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The scheduler's host partitioned, every node alive: it named the first node past the timeout as failed
+    (server 0, alive), as if one node were silent; now it says no node is heard, unless another one is."""
+    monkeypatch.setenv("PSKV_HEARTBEAT_TIMEOUT", "6")
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler, _Node
+
+    for others_heard, hint in ((5.5, True), (0.5, False)):  # seconds since the other nodes were last heard
+        sched = Scheduler(JobEnv("scheduler", "inproc://hb-alone", 0, 1, 1))
+        sched.started, sched.van.polled = True, 100.0
+        sched.nodes = {"s": _Node("s", "server", {"hostname": "h1", "pid": 1}, 0, last_seen=93.5),
+                       "w": _Node("w", "worker", {"hostname": "h2", "pid": 2}, 0, last_seen=100.0 - others_heard)}
+        sched._check_heartbeats(100.0)
+        err = capsys.readouterr().err
+        assert sched.status == 1 and "server 0 (host h1, pid 1) failed: no heartbeat for 6.5 s" in err
+        assert ("no node has been heard for 5.5 s: is this scheduler's host cut off?" in err) == hint, err
+        sched.van.close(linger=0)
+
+
 # -- hostile input --------------------------------------------------------------------------------
 
 
