@@ -413,12 +413,15 @@ def updatable(dtype: torch.dtype, key: object) -> None:
 
 
 def apply_push(optimizer: Optional[Optimizer], key: int, merged: Tensor, stored: Tensor, merged_is_scratch: bool = False,
-               rescale: Optional[float] = None) -> None:
+               rescale: Optional[float] = None) -> Optional[Tensor]:
     """What a store does with a key's merged push: ``optimizer.update`` (in place, inside ``merged``
-    if it is scratch; ``rescale``: see there), or without one replace the stored value (a row-sparse push zeroes absent rows)."""
+    if it is scratch; ``rescale``: see there), or without one replace the stored value (a row-sparse push zeroes absent rows:
+    the rows it brought, zero sums too, are returned, for a pull into a row-sparse out; else None)."""
     if optimizer is not None:
         optimizer.update(key, merged, stored, grad_is_scratch=merged_is_scratch, rescale=rescale)
     elif merged.is_sparse:
-        write_rows(stored, *_rows(merged))
+        write_rows(stored, *(rows := _rows(merged)))
+        return rows[0]
     else:
         stored.copy_(merged)
+    return None

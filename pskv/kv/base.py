@@ -375,8 +375,7 @@ class KVStore:
                           for i, v in enumerate(values)]
             stored = self._values[meta.id]
             merged = reduce_values(values, self._device(values[0])).to(stored.device)
-            apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True, rescale=rescale)  # merged is ours
-            self._present[meta.id] = merged.indices()[0] if merged.is_sparse and self._optimizer is None else None  # (zero sums too)
+            self._present[meta.id] = apply_push(self._optimizer, meta.id, merged, stored, merged_is_scratch=True, rescale=rescale)  # merged is ours
         return None
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:

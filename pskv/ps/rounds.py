@@ -257,9 +257,8 @@ class Rounds:
         """Apply a round's merged gradient (the optimizer, or assignment); the pulls it completes. A held
         round's ``rescale`` is for its update only: other parts' plain pushes keep the optimizer's own."""
         assert p.value is not None
-        if merged is not None:
-            apply_push(self.optimizer, p.state_key, merged, p.value, merged_is_scratch=merged is p.scratch, rescale=rescale)
-        p.present = merged.indices()[0] if merged is not None and merged.is_sparse and self.optimizer is None else None
+        p.present = None if merged is None else apply_push(self.optimizer, p.state_key, merged, p.value, merged_is_scratch=merged is p.scratch,
+                                                          rescale=rescale)  # fmt: skip
         p.rounds += 1
         ready = [w for w in p.pulls if w.round <= p.rounds]
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
