@@ -60,7 +60,7 @@ def split_and_load(batch: Tensor, devices: Union[Sequence[Union[torch.device, st
     """Split ``batch`` along ``batch_axis`` into one part per device (docs/SPEC.md, section 7; one
     device alone is a list of one); fewer rows than devices is a ``ValueError`` either way, as in MXNet."""
     devices = [devices] if isinstance(devices, (str, torch.device)) else devices  # ("cpu" is no list of "c", "p", "u")
-    batch = batch if isinstance(batch, Tensor) else torch.as_tensor(batch.copy() if hasattr(batch, "__array__") else np.array(batch) if isinstance(batch, memoryview) else batch)  # numpy, memoryview: copied as MXNet's nd.array did (x[:, ::-1] too), dtype and shape kept
+    batch = batch if isinstance(batch, Tensor) else torch.as_tensor(np.array(batch, order="C") if hasattr(batch, "__array__") or isinstance(batch, memoryview) else batch)  # numpy, memoryview: copied as MXNet's nd.array did (x[:, ::-1] too), dtype and shape kept
     if not -batch.dim() <= batch_axis < batch.dim():
         raise ValueError(f"batch_axis {batch_axis} is not an axis of a batch of shape {tuple(batch.shape)}")
     n = len(devices)
