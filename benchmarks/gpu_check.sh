@@ -22,7 +22,7 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short tes
 }
 step() {
 echo "== train_step"
-timeout 120 python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
+timeout ${STEP_TIMEOUT:-180} python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
 if [ -n "$BASE" ]; then  # BASE=<another checkout>: its pskv rows, run from its own directory (python -m pskv,
   echo "== train_step, pskv rows of $BASE"  # which starts the servers, takes the package of the working directory)
   (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout 120 python3 "$OLDPWD/benchmarks/train_step.py" --device $DEV --batch $B -n 2 -s 2 --steps $S \
