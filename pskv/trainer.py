@@ -155,6 +155,7 @@ class Trainer:
                 kv.set_gradient_compression(compression_params)
             self._keys = _own_keys(kv, self._keys)
             kv.init(self._keys, [t.detach() for t in self._reps[0]])
+            self._metas = [kv._keys[k] for k in self._keys]  # (its calls from hooks skip the checks: _checked)
             self.pull_weights()  # worker 0's, everywhere
             if self._update_on_kvstore:  # (dist_async: every worker's is the same, its own rescale_grad; each push brings its 1/batch_size)
                 kv.set_optimizer(optimizer)
@@ -263,13 +264,13 @@ class Trainer:
             return
         assert self._kv is not None
         t0 = timeline.now()
-        keys, grads = [self._keys[i] for i in which], [[rep[i].grad for rep in self._reps] for i in which]
+        push = [(self._metas[i], cast(list[Tensor], [rep[i].grad for rep in self._reps])) for i in which]
         if self._update_on_kvstore:
-            self._kv.push(keys, grads, priority=-which[-1], wait=False, _held=self._held)
-            self._versions.update((i, [getattr(g, "_version", -1) for g in gs]) for i, gs in zip(which, grads))
+            self._kv._checked(push, None, -which[-1], held=self._held)
+            self._versions.update((i, [getattr(g, "_version", -1) for g in gs]) for i, (_, gs) in zip(which, push))
         else:
-            self._inflight.update(dict.fromkeys(which, cast(Handle, self._kv.pushpull(keys, grads, priority=-which[-1], wait=False))))
-        timeline.span(f"push {keys[0]}..{keys[-1]}", t0, keys=len(keys))
+            self._inflight.update(dict.fromkeys(which, self._kv._checked(push, push, -which[-1])))
+        timeline.span(f"push {self._keys[which[0]]}..{self._keys[which[-1]]}", t0, keys=len(which))
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -395,9 +396,8 @@ class Trainer:
             self._kv.push([self._keys[i] for i in rest], grads, wait=not self._overlap, _held=self._held, _rescale=scale if self._async else None)
         if self._overlap:  # runs of keys in layer order: a layer's forward waits only for its run's pull
             for run in self._runs:
-                handle = self._kv.pull([self._keys[i] for i in run], [[rep[i] for rep in self._reps] for i in run],
-                                       priority=-run[0], wait=False, _rescale=rescale)  # fmt: skip
-                self._inflight.update(dict.fromkeys(run, cast(Handle, handle)))
+                handle = self._kv._checked(None, [(self._metas[i], [rep[i] for rep in self._reps]) for i in run], -run[0], rescale=rescale)
+                self._inflight.update(dict.fromkeys(run, handle))
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, (self._steps + 1) * self._pace)  # (dist_async: workers at one pace)

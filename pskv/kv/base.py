@@ -163,8 +163,11 @@ class KVStore:
             raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
     def _pushed(self, key: KeyArg, value: Any) -> list[Group]:
-        """A push's validated groups; with 1bit compression, NaN or Inf in any key is an error before any goes."""
-        groups, comp = self._grouped(key, value, "pushed value"), self._compressor
+        return self._finite(self._grouped(key, value, "pushed value"))
+
+    def _finite(self, groups: list[Group]) -> list[Group]:
+        """A push's groups; with 1bit compression, NaN or Inf in any key is an error before any goes."""
+        comp = self._compressor
         if comp is not None and comp.codec.type == "1bit":
             for meta, values in groups:
                 comp.codec.check([v for v in values if not v.is_sparse and v.is_floating_point()], meta)
@@ -208,6 +211,19 @@ class KVStore:
         the next call fail. ``_held``, ``_rescale`` (its update's, not the optimizer's): for the Trainer (docs/DESIGN.md, "Held rounds")."""
         handle = self._push_impl(self._pushed(key, value), _priority(priority), wait, _held, _rescale)
         return None if wait else handle or Handle()
+
+    @_locked
+    def _checked(self, push: Optional[list[Group]], pull: Optional[list[Group]], priority: int, held: bool = False,
+                 rescale: Optional[float] = None) -> Handle:
+        """The Trainer's calls without waiting, of its own parameters and their gradients, checked once when it
+        was made (a key's checks cost as much as its push): a push, a pull, or both (a pushpull)."""
+        if push is not None and pull is not None:
+            handle = self._pushpull_impl(self._finite(push), pull, priority, False)
+        elif push is not None:
+            handle = self._push_impl(self._finite(push), priority, False, held, None)
+        else:
+            handle = self._pull_impl(cast(list[Group], pull), priority, False, rescale)
+        return handle or Handle()
 
     @_locked
     def pull(self, key: KeyArg, out: ValueArg, priority: int = 0, ignore_sparse: bool = True,
