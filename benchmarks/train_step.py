@@ -16,9 +16,12 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``torch opt``: ``pskv.DistributedOptimizer`` around the same ``torch.optim.SGD`` under ``pskv launch``
   (the servers sum, the optimizer runs on each worker), beside the pskv Trainer's row.
 
-For each: samples/s (all workers), ms per step, and for the Trainer's rows the time exposed after
-backward (``after bwd``: ``trainer.step`` once backward is done; the next forward's waits for weights
-are not in it: the JSON has them apart, ``waits_per_step_s``, from the Trainer's timeline spans).
+For each: samples/s (all workers), ms per step, and for the Trainer's rows the time after backward
+(``after bwd``: from ``loss.backward()``'s return to the step's end, the GPU's tail of backward
+included, as no row waits for the GPU between backward and its optimizer; ``--sync-backward`` waits
+there first, as this script did before 2026-11-28, so that only the exposed time is counted; the next
+forward's waits for weights are not in it: the JSON has them apart, ``waits_per_step_s``, from the
+Trainer's timeline spans).
 
     python benchmarks/train_step.py --device cuda --batch 128 [-n 2 -s 2] [--steps 30]
     python benchmarks/train_step.py --device cpu --batch 16 --steps 5      # a quick check of the script
@@ -112,7 +115,8 @@ def worker(args: argparse.Namespace) -> None:
             net.zero_grad(set_to_none=True)
             tb = timeline.now()
             loss.backward()
-            sync()
+            if args.sync_backward:  # (before 2026-11-28: the GPU idles while step's calls are made)
+                sync()
             timeline.span("backward", tb)
             t1 = time.perf_counter()
             trainer.step(1)
@@ -139,7 +143,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> Op
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "r.json"
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
-              "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap]  # fmt: skip
+              "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap, *(["--sync-backward"] if args.sync_backward else [])]  # fmt: skip
         env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or os.environ.get("PSKV_TIMELINE") or str(Path(tmp) / "t.json")}
         if config in ("pskv", "pskvsum", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
@@ -170,6 +174,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
+    p.add_argument("--sync-backward", action="store_true", help="wait for the GPU after backward (then `after bwd` is all exposed)")
     p.add_argument("--json", type=Path, default=HERE / "results" / "train_step.json")
     p.add_argument("--skip", nargs="*", default=[], metavar="ROW", help='rows to leave out, by name ("pskv local" ...)')
     p.add_argument("--worker", help=argparse.SUPPRESS)
