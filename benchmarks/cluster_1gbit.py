@@ -24,6 +24,7 @@ images per worker, SGD), its buckets all-reduced by gloo, or exchanged through t
 ``pskv.ddp_hook``; the time of a step (forward, backward with the exchange overlapped, optimizer).
 
     sudo .venv/bin/python benchmarks/cluster_1gbit.py [--workers 4] [--servers 4] [--rounds 10] [--ddp]
+        [--try PSKV_WINDOW_BYTES=8388608 --try PSKV_CHUNK_BYTES=524288,PSKV_BATCH_BYTES=1048576 ...]
 """
 
 from __future__ import annotations
@@ -108,10 +109,11 @@ def finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[str]:
 # -- the two systems ----------------------------------------------------------------------------------
 
 
-def run_pskv(args: argparse.Namespace, role: str = "pskv") -> Any:
+def run_pskv(args: argparse.Namespace, role: str = "pskv", setting: str = "") -> Any:
     w, s = args.workers, args.servers
     base = {"DMLC_PS_ROOT_URI": f"{SUBNET}.1", "DMLC_PS_ROOT_PORT": str(PORT), "DMLC_NUM_WORKER": str(w),
-            "DMLC_NUM_SERVER": str(s), "PSKV_SHM": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # fmt: skip
+            "DMLC_NUM_SERVER": str(s), "PSKV_SHM": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+            **dict(kv.split("=", 1) for kv in setting.split(",") if kv)}  # fmt: skip
     serve = [sys.executable, "-m", "pskv", "serve"]
     helpers = [start(0, serve, {**base, "DMLC_ROLE": "scheduler", "DMLC_NODE_HOST": f"{SUBNET}.1"})]
     time.sleep(1.0)
@@ -262,6 +264,8 @@ def main() -> int:
     p.add_argument("--json", type=Path, default=HERE / "results" / "cluster_1gbit.json")
     p.add_argument("--ddp", action="store_true", help="time DDP training steps: gloo against pskv.ddp_hook")
     p.add_argument("--batch", type=int, default=4, help="with --ddp: images per worker and step")
+    p.add_argument("--try", dest="settings", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                   help="pskv's rows again with these environment variables (PSKV_WINDOW_BYTES=8388608 ...), in the same run")
     p.add_argument("--role", choices=["pskv", "gloo", "gloo-flat", "ddp", "ddp-hook", "ddp-none"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.ddp and args.json == HERE / "results" / "cluster_1gbit.json":
@@ -296,6 +300,9 @@ def main() -> int:
                 "gloo all_reduce, flat": run_gloo(args, "gloo-flat"),
                 "gloo all_reduce, 42 tensors": run_gloo(args, "gloo"),
             }
+            for setting in args.settings:  # (a search for the settings of jobs across hosts: one namespace setup, one gloo run)
+                tried = run_pskv(args, setting=setting)
+                rows[f"pskv pushpull, {setting}"], rows[f"pskv by layer: all back, {setting}"] = tried["round"], tried["step"]
     finally:
         down(n)
     nbytes = sum(4 * int(__import__("math").prod(s)) for s in shapes())
@@ -310,12 +317,13 @@ def main() -> int:
     if args.ddp:
         print(f"DDP training steps, ResNet-18, batch {args.batch} per worker")
     flat = statistics.median(rows["DDP, gloo all-reduce" if args.ddp else "gloo all_reduce, flat"])
-    print(f"{'':30}{'median':>10}{'p10':>9}{'p90':>9}{'/ gloo' if args.ddp else '/ gloo flat':>13}")
+    width = max(30, *(len(name) + 1 for name in rows))
+    print(f"{'':{width}}{'median':>10}{'p10':>9}{'p90':>9}{'/ gloo' if args.ddp else '/ gloo flat':>13}")
     for name, times in rows.items():
         ordered = sorted(times)
         med = statistics.median(ordered)
         p10, p90 = (ordered[round(q * (len(ordered) - 1))] for q in (0.1, 0.9))  # the nearest rank, as pskv bench
-        print(f"{name:30}{med:>9.3f}s{p10:>9.3f}{p90:>9.3f}{med / flat:>13.2f}")
+        print(f"{name:{width}}{med:>9.3f}s{p10:>9.3f}{p90:>9.3f}{med / flat:>13.2f}")
         result[name] = {"median_s": med, "p10_s": p10, "p90_s": p90, "rounds_s": times}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -4,10 +4,14 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh          # from the repository root, on a machine with CUDA
 # DEV=cpu BATCH=4 STEPS=1 EPOCHS=1 checks the script itself on a machine without one. BASE=<dir of another
 # checkout> adds that checkout's pskv rows, for a comparison on the same machine. PARTS picks the sections, in
-# the order given (default: all but cluster): step tests amp devices timeline cluster; `cluster` runs
+# the order given (default: all but cluster and sweep): step tests amp devices timeline cluster sweep; `cluster` runs
 # benchmarks/cluster_1gbit.py (4 + 4 hosts in network namespaces, 1 Gbit links) where root can make them: a
-# device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10).
+# device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10); `sweep`
+# runs it with five other settings of PSKV_WINDOW_BYTES, PSKV_CHUNK_BYTES, PSKV_BATCH_BYTES (one run takes a minute).
+# The device image has no iproute2: carry this machine's ip and tc in .ipr/ (git-ignored), made here with
+#   mkdir -p .ipr/bin .ipr/lib && cp /usr/sbin/ip /usr/sbin/tc .ipr/bin/ && ldd /usr/sbin/ip /usr/sbin/tc | awk '/=>/{print $3}' | grep -v -e libc.so -e libm.so | sort -u | xargs -I{} cp -L {} .ipr/lib/
 export PYTHONUNBUFFERED=1
+[ -d .ipr ] && mkdir -p /tmp/ipr && for t in ip tc; do printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' $PWD/.ipr/lib $PWD/.ipr/bin/$t > /tmp/ipr/$t; chmod +x /tmp/ipr/$t; done && export PATH=$PATH:/tmp/ipr
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/pyzmq*.whl  # (a machine without pyzmq: its wheel in .whl/)
 export PYTHONPATH=/tmp/site:$PWD OUT=${OUT:-/tmp/gpu}
 mkdir -p $OUT
@@ -51,6 +55,11 @@ cp $R/timeline_step_cuda.png $OUT/ 2>/dev/null
 cluster() {
 echo "== emulated cluster, 4 worker hosts + 4 server hosts, 1 Gbit links (ResNet-18 payload, gloo in the same run)"
 timeout ${CLUSTER_TIMEOUT:-240} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-10} --json $OUT/cluster_1gbit.json 2>&1 | tail -20
+}
+sweep() {  # settings for jobs across hosts, tried on cores that do not starve the hosts (RESULTS.md section 24); about 2 minutes
+echo "== emulated cluster: pskv's settings across hosts, each in the same run as gloo"
+timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-8} --json $OUT/cluster_sweep.json --try PSKV_WINDOW_BYTES=8388608 \
+  --try PSKV_WINDOW_BYTES=2097152 --try PSKV_CHUNK_BYTES=524288 --try PSKV_CHUNK_BYTES=2097152 --try PSKV_BATCH_BYTES=1048576 2>&1 | tail -20
 }
 for part in ${PARTS:-step tests amp devices timeline}; do $part; done
 python3 -c "
