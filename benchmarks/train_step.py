@@ -176,6 +176,7 @@ def main() -> int:
     p.add_argument("--overlap", choices=["auto", "on", "off"], default="auto")
     p.add_argument("--sync-backward", action="store_true", help="wait for the GPU after backward (then `after bwd` is all exposed)")
     p.add_argument("--json", type=Path, default=HERE / "results" / "train_step.json")
+    p.add_argument("--repeat", type=int, default=1, help="run the rows in turn this many times; each row's middle run is shown")
     p.add_argument("--skip", nargs="*", default=[], metavar="ROW", help='rows to leave out, by name ("pskv local" ...)')
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -187,10 +188,17 @@ def main() -> int:
     table = [("plain", "plain", 1, 0), ("pskv local", "local", 1, 0), ("pskv 1x1", "pskv", 1, 1),
              (f"pskv {w}x{s}", "pskv", w, s), (f"pskv {w}x{s} sum", "pskvsum", w, s), (f"ddp x{w} (gloo)", "ddp", w, 0),
              (f"ddp hook {w}x{s}", "ddphook", w, s), (f"torch opt {w}x{s}", "torchopt", w, s)]  # fmt: skip
-    ran = {name: run(args, config, n, m) for name, config, n, m in table if name not in args.skip}
+    table = [row for row in table if row[0] not in args.skip]
+    tries: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in table}
+    for _ in range(args.repeat):  # the rows in turn, again and again: a GPU machine's rows vary by 20 % and more
+        for name, config, n, m in table:
+            r = run(args, config, n, m)
+            tries[name] += [r] if r is not None else []
+    ran = {name: sorted(rs, key=lambda r: r["step_s"])[(len(rs) - 1) // 2] if rs else None for name, rs in tries.items()}
     rows = {name: r for name, r in ran.items() if r is not None}
     base, ddp = rows.get("plain"), rows.get(f"ddp x{w} (gloo)")
-    print(f"ResNet-18, batch {args.batch} per worker, {args.device}, median of {args.steps} steps")
+    print(f"ResNet-18, batch {args.batch} per worker, {args.device}, median of {args.steps} steps"
+          + (f"; the middle of {args.repeat} runs of each row, taken in turn (ms/step of every run at the right)" if args.repeat > 1 else ""))
     print(f"{'':18}{'samples/s':>11}{'ms/step':>9}{'after bwd':>11}{'/ plain':>9}{'/ ddp':>8}")
     for name, r in rows.items():
         sps = r["world"] * args.batch / r["step_s"]
@@ -199,11 +207,13 @@ def main() -> int:
         vs_plain = f"{sps / (args.batch / base['step_s']):.2f}" if base else "-"
         vs_ddp = f"{sps / (ddp['world'] * args.batch / ddp['step_s']):.2f}" if ddp else "-"
         failed = f"  (exit status {r['exit_status']})" if r.get("exit_status") else ""
-        print(f"{name:18}{sps:>11.0f}{1000 * r['step_s']:>9.1f}{after:>11}{vs_plain:>9}{vs_ddp:>8}{failed}")
+        runs = "  " + " ".join(f"{1000 * t['step_s']:.1f}" for t in tries[name]) if args.repeat > 1 else ""
+        print(f"{name:18}{sps:>11.0f}{1000 * r['step_s']:>9.1f}{after:>11}{vs_plain:>9}{vs_ddp:>8}{failed}{runs}")
     for name in (name for name, r in ran.items() if r is None):
         print(f"{name:18}failed: no result (its output above)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": args.device, "batch": args.batch, "rows": rows}, indent=2) + "\n")
+    args.json.write_text(json.dumps({"device": args.device, "batch": args.batch, "rows": rows,
+                                      "runs_step_s": {name: [t["step_s"] for t in rs] for name, rs in tries.items()}}, indent=2) + "\n")
     return 0
 
 
