@@ -91,7 +91,7 @@ class WorkerClient(Node):
     def start(self) -> None:
         """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
         try:
-            self.join(None)
+            early = self.join(None)
         except BaseException:  # refused, or no node table: this client is done
             self.van.close(linger=0)
             self.data.close(linger=0)
@@ -103,6 +103,9 @@ class WorkerClient(Node):
         for s, info in enumerate(self.servers):
             self.data.connect(f"server {s}", info["endpoint"])
             self.data.connect(f"server {s}/tx", info["endpoint"], receive=False, sndbuf=sndbuf)  # (pushes go on this one)
+        for _, msg in early:  # (the scheduler's news: the servers' connections are new)
+            if isinstance(msg, Message):
+                self._control(msg)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there

@@ -178,7 +178,7 @@ class Node:
         return len({n.get("host") for n in [*self.servers, *self.workers]}) > 1
 
     def join(self, endpoint: Optional[str]) -> list[Received]:
-        """Register and wait for the node table (``PSKV_START_TIMEOUT``); what other nodes sent meanwhile."""
+        """Register and wait for the node table (``PSKV_START_TIMEOUT``); what came meanwhile and with it."""
         env = self.env
         self.van.connect("scheduler", env.scheduler_endpoint, watch=True)
         meta: dict[str, Any] = {
@@ -211,6 +211,8 @@ class Node:
                     self.van.identity = (self.role, self.rank)
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])
                     self.last_heard = time.monotonic()
+                elif msg.type != Type.HEARTBEAT_ACK:  # news sent right after the table (SERVER_LOST, WORKER_LEFT): the caller's
+                    early.append((peer, msg))
             if self.rank >= 0:  # (once the rest of the table's batch is read)
                 return early
         missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"

@@ -67,3 +67,30 @@ def test_ps_lites_ps_verbose_turns_the_log_on(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(ValueError, match="PS_VERBOSE='loud'"):
         config.verbose()
     assert "PS_VERBOSE=2".startswith(FORWARDED)  # to processes on other hosts too
+
+
+def test_news_that_came_with_the_node_table_goes_to_the_caller() -> None:
+    """The scheduler may send news right after a node's table (SERVER_LOST: a backup took a server's
+    place as the job started): join read both in one batch and dropped the news, and the worker went
+    on sending to the lost server until its deadline."""
+    from pskv.ps.message import Message, Type
+    from pskv.ps.node import Node
+
+    table = Message(Type.NODES, meta={"rank": 0, "servers": [{}, {}], "workers": [{}, {}, {}]})
+    lost = Message(Type.SERVER_LOST, meta={"rank": 1})
+
+    class OneBatch:  # the scheduler's connection, as the node's van shows it
+        identity: object = None
+
+        def connect(self, *args: object, **kwargs: object) -> None: ...
+
+        def send(self, *args: object) -> None: ...
+
+        def recv(self, timeout: float) -> list[tuple[str, Message]]:
+            return [("scheduler", table), ("scheduler", Message(Type.HEARTBEAT_ACK)), ("scheduler", lost)]
+
+    node = Node(JobEnv.from_environ({**BASE, "DMLC_WORKER_ID": "0"}))
+    node.van.close(linger=0)
+    node.van = OneBatch()  # type: ignore[assignment]
+    assert node.join(None) == [("scheduler", lost)]
+    assert (node.rank, len(node.servers)) == (0, 2)
