@@ -187,7 +187,7 @@ class DistStore(KVStore):
         for a GPU value, its device (the part is added to ``staged``, to be copied to its page-locked
         slot). ``borrow``: one contiguous CPU tensor goes on the wire as it is; ``tail``: the rows' held, reply, rescale."""
         rounds = list(self._rounds(meta))  # waits for earlier pulls first
-        if any(v.is_sparse for v in values) and not all(v.is_sparse for v in values):  # dense and row-sparse: their
+        if len(values) > 1 and any(v.is_sparse != values[0].is_sparse for v in values):  # dense and row-sparse: their
             values = [reduce_values(values, values[0].device)]  # dense sum, as the local store pushes
         sparse = values[0].is_sparse
         comp = None if sparse or not meta.dtype.is_floating_point else self._compressor  # (integers travel as they are)
@@ -203,8 +203,8 @@ class DistStore(KVStore):
                 values = [reduce_values(values, values[0].device)]  # sum on the device, copy once
             # one part: the tensors go as they are, no flat views (each op costs)
             flats = values if len(rounds) == 1 else [v.reshape(-1) for v in values]
-            one = len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
-            merged_flat: Optional[Tensor] = values[0].view(-1) if one and borrow else None
+            one = borrow and len(values) == 1 and values[0].device.type == "cpu" and values[0].is_contiguous()
+            merged_flat: Optional[Tensor] = values[0].view(-1) if one else None
         out = []
         for p, round_, busy in rounds:
             kind, home, frames = PushKind.DENSE, (-1, 0), []  # home: the (fd, offset) of our shared-memory slot
@@ -283,19 +283,19 @@ class DistStore(KVStore):
         """A handle for pulling ``items``, and per key where its parts' answers go: the first output when
         it is contiguous on the CPU or a GPU (:meth:`_sink`), else a new buffer; the handle's wait copies to the rest."""
         copies: list[tuple[Tensor, list[Tensor]]] = []
-        @torch.no_grad()  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
         def finish() -> None:  # in the caller's thread, once every part has arrived
-            if handle.staged:
-                self._copy_in(handle)
-            for buf, outs in copies:
-                rows = buf[:, -1].nonzero()[:, 0] if any(o.is_sparse for o in outs) else None  # present rows (see _sinks)
-                buf = buf if rows is None else buf[:, :-1].reshape(outs[0].shape)
-                for o in outs:
-                    write_rows(o, rows, buf[rows]) if rows is not None and o.is_sparse else o.copy_(buf, non_blocking=o.is_cuda)
+            with torch.no_grad():  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
+                if handle.staged:
+                    self._copy_in(handle)
+                for buf, outs in copies:
+                    rows = buf[:, -1].nonzero()[:, 0] if any(o.is_sparse for o in outs) else None  # present rows (see _sinks)
+                    buf = buf if rows is None else buf[:, :-1].reshape(outs[0].shape)
+                    for o in outs:
+                        write_rows(o, rows, buf[rows]) if rows is not None and o.is_sparse else o.copy_(buf, non_blocking=o.is_cuda)
         gpus: set[torch.device] = set()
         for meta, outs in items:
             first = outs[0]
-            sparse = any(o.is_sparse for o in outs)
+            sparse = first.is_sparse or any(o.is_sparse for o in outs[1:])
             if not sparse and first.device.type in ("cpu", "cuda") and first.is_contiguous():
                 copies.append((first, outs[1:]))
                 if first.is_cuda and first.device not in gpus:  # its copies wait for what the caller's stream has queued (may read it)
@@ -329,15 +329,15 @@ class DistStore(KVStore):
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:
         self._client.check()
         handle, bufs = self._sinks(items)
+        bits = 0 if rescale is None else float_bits(rescale)
         for (meta, _), buf in zip(items, bufs):
             for p in self._parts[meta.id]:
-                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale=rescale, priority=priority, present=buf.shape != meta.shape)
+                self._queue_pull(handle, meta, p, self._sink(handle, meta, buf, p), rescale_bits=bits, priority=priority, present=buf.shape != meta.shape)
         return self._done(handle, wait)
 
-    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale: Optional[float] = None,
+    def _queue_pull(self, handle: Handle, meta: KeyMeta, p: Part, sink: Sink, rows: Optional[Tensor] = None, rescale_bits: int = 0,
                     priority: int = 0, present: bool = False) -> None:
         where = (meta.id, p.index)
-        rescale_bits = 0 if rescale is None else float_bits(rescale)
         shm_ok = rows is None and p.server in self._client.shm_servers
         row = (meta.id, p.index, self._round_sent.get(where, 0), int(shm_ok), 2 if present else int(rows is not None), rescale_bits, 0)
         self._client.queue(p.server, Type.PULL, row, [] if rows is None else [tensor_frame(rows)], (handle, sink, meta.dtype), priority=priority)

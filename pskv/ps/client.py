@@ -181,7 +181,7 @@ class WorkerClient(Node):
         replica, a push and a pull's rescale go to the backup too (acknowledged, not answered)."""
         self._check_open()
         with self._lock:
-            for i, s in enumerate(self.holders(server)):
+            for i, s in enumerate(self.holders(server) if self.replicas or self.lost_servers else (server,)):  # (the same, sooner)
                 if i:
                     if kind == Type.PULL and not row[5]:
                         break  # a pull without a rescale: the backup has nothing to learn from it
