@@ -216,7 +216,12 @@ class KVStore:
     def _checked(self, push: Optional[list[Group]], pull: Optional[list[Group]], priority: int, held: bool = False,
                  rescale: Optional[float] = None) -> Handle:
         """The Trainer's calls without waiting, of its own parameters and their gradients, checked once when it
-        was made (a key's checks cost as much as its push): a push, a pull, or both (a pushpull)."""
+        was made (a key's checks cost as much as its push): a push, a pull, or both (a pushpull). Shapes and
+        dtypes are still compared (``param.data = ...`` may change them; a copy would convert or broadcast)."""
+        for groups, what in ((push, "pushed value"), (pull, "out")):
+            for meta, ts in groups or ():
+                for t in ts:
+                    self._check_like(meta, t, what)
         if push is not None and pull is not None:
             handle = self._pushpull_impl(self._finite(push), pull, priority, False)
         elif push is not None:

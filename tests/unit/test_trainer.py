@@ -1039,3 +1039,20 @@ def test_overlap_refuses_gradients_changed_after_backward_pushed_them(inproc_job
         return "ok"
 
     assert inproc_job(1, 1).run_workers(body) == ["ok"]
+
+
+@pytest.mark.parametrize("uok", [True, False])
+def test_a_parameter_whose_shape_changed_after_the_trainer_is_refused_with_overlap(inproc_job: Job, uok: bool) -> None:
+    """The Trainer's own calls skip the store's per-key checks (its keys were checked when it was made),
+    but ``param.data = ...`` can still change a shape: the copy into the send slot would broadcast a
+    (1,) gradient over the key's 4 elements, a silent wrong sum, where the error must name the key."""
+    def body(kv: KVStore) -> str:
+        w = nn.Parameter(torch.ones(4))
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 0.1}, kvstore=kv, update_on_kvstore=uok, overlap=True)
+        assert tr.overlap  # (kept alive: its hooks go with it)
+        w.data = torch.ones(1)
+        with pytest.raises(pskv.errors.ShapeMismatchError, match=r"key 0: pushed value has shape \(1,\)"):
+            (w * 2).sum().backward()
+        return "refused"
+
+    assert inproc_job(1, 1).run_workers(body) == ["refused"]
