@@ -226,8 +226,6 @@ class KVStore:
             handle = self._pushpull_impl(self._finite(push), pull, priority, False)
         elif push is not None:
             handle = self._push_impl(self._finite(push), priority, False, held, None)
-        elif any(meta.row_sparse for meta, _ in cast(list[Group], pull)):  # (pull skips their sparse outs, with a warning)
-            return cast(Handle, self.pull([m.key for m, _ in pull or ()], [ts for _, ts in pull or ()], priority, wait=False, _rescale=rescale))
         else:
             handle = self._pull_impl(cast(list[Group], pull), priority, False, rescale)
         return handle or Handle()
