@@ -8,6 +8,9 @@
 # benchmarks/cluster_1gbit.py (4 + 4 hosts in network namespaces, 1 Gbit links) where root can make them: a
 # device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10); `sweep`
 # runs it with five other settings of PSKV_WINDOW_BYTES, PSKV_CHUNK_BYTES, PSKV_BATCH_BYTES (one run takes a minute).
+# Seen on an H200 (16 cores; RESULTS.md section 24): step about 70 s for its 8 rows (REPEAT=3: the rows in turn three
+# times, about 200 s, as one row varies 20 % and more between runs), tests 15 s, cluster about 60 s, sweep about 150 s.
+# A lease is 15 minutes with about a minute to start: PARTS="step tests sweep" REPEAT=2 fits one call.
 # The device image has no iproute2: carry this machine's ip and tc in .ipr/ (git-ignored), made here with
 #   mkdir -p .ipr/bin .ipr/lib && cp /usr/sbin/ip /usr/sbin/tc .ipr/bin/ && ldd /usr/sbin/ip /usr/sbin/tc | awk '/=>/{print $3}' | grep -v -e libc.so -e libm.so | sort -u | xargs -I{} cp -L {} .ipr/lib/
 export PYTHONUNBUFFERED=1
@@ -26,7 +29,7 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short tes
 }
 step() {
 echo "== train_step"
-timeout ${STEP_TIMEOUT:-180} python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
+timeout ${STEP_TIMEOUT:-180} python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --repeat ${REPEAT:-1} --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
 if [ -n "$BASE" ]; then  # BASE=<another checkout>: its pskv rows, run from its own directory (python -m pskv,
   echo "== train_step, pskv rows of $BASE"  # which starts the servers, takes the package of the working directory)
   (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout 120 python3 "$OLDPWD/benchmarks/train_step.py" --device $DEV --batch $B -n 2 -s 2 --steps $S \
