@@ -9,7 +9,8 @@
 # device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10); `sweep`
 # runs it with five other settings of PSKV_WINDOW_BYTES, PSKV_CHUNK_BYTES, PSKV_BATCH_BYTES (one run takes a minute).
 # Seen on an H200 (16 cores; RESULTS.md section 24): step about 70 s for its 8 rows (REPEAT=3: the rows in turn three
-# times, about 200 s, as one row varies 20 % and more between runs), tests 15 s, cluster about 60 s, sweep about 150 s.
+# times, about 200 s, as one row varies 20 % and more between runs), tests 15 s, cluster about 60 s; sweep (not run there
+# yet) about 150 s by its five extra pskv runs.
 # A lease is 15 minutes with about a minute to start: PARTS="step tests sweep" REPEAT=2 fits one call.
 # The device image has no iproute2: carry this machine's ip and tc in .ipr/ (git-ignored), made here with
 #   mkdir -p .ipr/bin .ipr/lib && cp /usr/sbin/ip /usr/sbin/tc .ipr/bin/ && ldd /usr/sbin/ip /usr/sbin/tc | awk '/=>/{print $3}' | grep -v -e libc.so -e libm.so | sort -u | xargs -I{} cp -L {} .ipr/lib/
