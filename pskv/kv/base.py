@@ -216,9 +216,9 @@ class KVStore:
     def _checked(self, push: Optional[list[Group]], pull: Optional[list[Group]], priority: int, held: bool = False,
                  rescale: Optional[float] = None) -> Handle:
         """The Trainer's calls without waiting, of its own parameters and their gradients, checked once when it
-        was made (a key's checks cost as much as its push): a push, a pull, or both (a pushpull). Shapes and
-        dtypes are still compared (``param.data = ...`` may change them; a copy would convert or broadcast)."""
-        for groups, what in ((push, "pushed value"), (pull, "out")):
+        was made (the checks were a fifth of a push's time per key): a push, a pull, or both (a pushpull). Shapes
+        and dtypes are still compared (``param.data = ...`` may change them; a copy would convert or broadcast)."""
+        for groups, what in ((push, "pushed value"), (None if pull is push else pull, "out")):  # (a pushpull into its values: once)
             for meta, ts in groups or ():
                 for t in ts:
                     self._check_like(meta, t, what)
