@@ -144,6 +144,8 @@ class WorkerClient(Node):
     def holders(self, server: int) -> list[int]:
         """The live servers that keep ``server``'s parts, the one that answers first: it and its backups,
         the next ``PSKV_REPLICAS`` servers of the ring, which get every push too (docs/DESIGN.md)."""
+        if not self.replicas:  # (every row asks: the ring is of one then)
+            return [] if server in self.lost_servers else [server]
         n = len(self.servers)
         ring = [(server + i) % n for i in range(min(self.replicas, n - 1) + 1)]
         return [s for s in ring if s not in self.lost_servers]
@@ -181,7 +183,7 @@ class WorkerClient(Node):
         replica, a push and a pull's rescale go to the backup too (acknowledged, not answered)."""
         self._check_open()
         with self._lock:
-            for i, s in enumerate(self.holders(server) if self.replicas or self.lost_servers else (server,)):  # (the same, sooner)
+            for i, s in enumerate(self.holders(server)):
                 if i:
                     if kind == Type.PULL and not row[5]:
                         break  # a pull without a rescale: the backup has nothing to learn from it
