@@ -7,7 +7,7 @@
 # the order given (default: all but cluster and sweep): step tests amp devices timeline cluster sweep; `cluster` runs
 # benchmarks/cluster_1gbit.py (4 + 4 hosts in network namespaces, 1 Gbit links) where root can make them: a
 # device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10); `sweep`
-# runs it with five other settings of PSKV_WINDOW_BYTES, PSKV_CHUNK_BYTES, PSKV_BATCH_BYTES (one run takes a minute).
+# runs it with five other settings of PSKV_CHUNK_BYTES and PSKV_WINDOW_BYTES (one run takes a minute).
 # Seen on an H200 (16 cores; RESULTS.md section 24): step about 70 s for its 8 rows (REPEAT=3: the rows in turn three
 # times, about 200 s, as one row varies 20 % and more between runs), tests 15 s, cluster about 60 s; sweep (not run there
 # yet) about 150 s by its five extra pskv runs.
@@ -60,10 +60,12 @@ cluster() {
 echo "== emulated cluster, 4 worker hosts + 4 server hosts, 1 Gbit links (ResNet-18 payload, gloo in the same run)"
 timeout ${CLUSTER_TIMEOUT:-240} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-10} --json $OUT/cluster_1gbit.json 2>&1 | tail -20
 }
-sweep() {  # settings for jobs across hosts, tried on cores that do not starve the hosts (RESULTS.md section 24); about 2 minutes
+sweep() {  # settings for jobs across hosts, tried on cores that do not starve the hosts (RESULTS.md sections 24, 25: the
+# first two were the best at 125 and 250 Mbit on 2 cores, where the CPU per byte is that of 16 cores at 1 Gbit); about 2.5 minutes
 echo "== emulated cluster: pskv's settings across hosts, each in the same run as gloo"
-timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-8} --json $OUT/cluster_sweep.json --try PSKV_WINDOW_BYTES=8388608 \
-  --try PSKV_WINDOW_BYTES=2097152 --try PSKV_CHUNK_BYTES=524288 --try PSKV_CHUNK_BYTES=2097152 --try PSKV_BATCH_BYTES=1048576 2>&1 | tail -20
+timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-8} --json $OUT/cluster_sweep.json \
+  --try PSKV_CHUNK_BYTES=524288,PSKV_WINDOW_BYTES=262144 --try PSKV_CHUNK_BYTES=262144,PSKV_WINDOW_BYTES=262144 \
+  --try PSKV_WINDOW_BYTES=262144 --try PSKV_CHUNK_BYTES=131072,PSKV_WINDOW_BYTES=131072 --try PSKV_WINDOW_BYTES=8388608 2>&1 | tail -20
 }
 for part in ${PARTS:-step tests amp devices timeline}; do $part; done
 python3 -c "
