@@ -155,12 +155,13 @@ class KVStore:
         return items
 
     @staticmethod
-    def _check_like(meta: KeyMeta, t: Tensor, what: str) -> None:
-        if t.shape != meta.shape:
-            raise errors.ShapeMismatchError(f"{meta}: {what} has shape {tuple(t.shape)} but the key was "
-                                            f"initialised with shape {tuple(meta.shape)}")
-        if t.dtype != meta.dtype:
-            raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
+    def _check_like(meta: KeyMeta, ts: list[Tensor], what: str) -> None:
+        for t in ts:
+            if t.shape != meta.shape:
+                raise errors.ShapeMismatchError(f"{meta}: {what} has shape {tuple(t.shape)} but the key was "
+                                                f"initialised with shape {tuple(meta.shape)}")
+            if t.dtype != meta.dtype:
+                raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
     def _pushed(self, key: KeyArg, value: Any) -> list[Group]:
         return self._finite(self._grouped(key, value, "pushed value"))
@@ -181,8 +182,7 @@ class KVStore:
             meta = self._keys.get(k)
             if meta is None:
                 raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
-            for t in ts:
-                self._check_like(meta, t, what)
+            self._check_like(meta, ts, what)
             groups.setdefault(meta.id if join else i, (meta, []))[1].extend(ts)
         return list(groups.values())
 
@@ -220,8 +220,7 @@ class KVStore:
         and dtypes are still compared (``param.data = ...`` may change them; a copy would convert or broadcast)."""
         for groups, what in ((push, "pushed value"), (None if pull is push else pull, "out")):  # (a pushpull into its values: once)
             for meta, ts in groups or ():
-                for t in ts:
-                    self._check_like(meta, t, what)
+                self._check_like(meta, ts, what)
         if push is not None and pull is not None:
             handle = self._pushpull_impl(self._finite(push), pull, priority, False)
         elif push is not None:
@@ -273,9 +272,7 @@ class KVStore:
     def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:
         """``init(key, value)`` then ``pull(key, out)``: every worker gets rank 0's value."""
         for (k, vals), (_, outs) in zip(self._pairs(key, value, "value"), self._pairs(key, out, "out")):
-            like = KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse)
-            for o in outs:
-                self._check_like(like, o, "out")
+            self._check_like(KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse), outs, "out")
         self.init(key, value)
         self.pull(key, out, priority)
 
