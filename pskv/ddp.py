@@ -1,7 +1,5 @@
-"""A DistributedDataParallel communication hook that exchanges DDP's gradient buckets through a
-store: ``ddp_model.register_comm_hook(None, pskv.ddp_hook(kv))`` (docs/PYTORCH.md). DDP keeps its
-bucketing and its overlap with backward; each bucket is pushed to the servers and its sum pulled
-back, instead of an all-reduce among the workers."""
+"""A DistributedDataParallel communication hook that exchanges DDP's gradient buckets through a store
+instead of an all-reduce among the workers: ``ddp_model.register_comm_hook(None, pskv.ddp_hook(kv))`` (docs/PYTORCH.md)."""
 
 import queue
 import threading
@@ -21,11 +19,8 @@ Hook = Callable[[Any, "dist.GradBucket"], "torch.futures.Future[Tensor]"]  # typ
 def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
     """A hook for ``DistributedDataParallel.register_comm_hook(state, hook)`` (``state`` is unused):
     a bucket's gradients become their sum over the workers (``op="sum"``) or its mean (``"average"``,
-    DDP's own). The store must run no optimizer (the servers only sum) and not be ``dist_async``; the
-    buckets are its keys ``"ddp-bucket-I-N-DTYPE"`` (index I, N elements: DDP rebuilds its buckets after the
-    first step; a later hook on the store adds ``#1``, ``#2``..., as every worker makes its hooks in one
-    order: a GAN's two models). A thread of the store completes each bucket's
-    future once the sum is back; DDP waits for the futures at the end of backward."""
+    DDP's own), put in DDP's future by a thread of the store (DDP waits for them when backward ends); a
+    ``KVStoreError`` if the store runs an optimizer or is ``dist_async``. Its keys: docs/PYTORCH.md."""
     if op not in ("average", "sum"):
         raise KVStoreError(f"ddp_hook op {op!r}: it must be 'average' or 'sum'")
     if kv.type == "dist_async":

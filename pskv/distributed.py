@@ -101,9 +101,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
     """``optimizer``, with its ``step`` summing the gradients over the workers through ``kv`` (a store
     or a type name) first: the mean (``op="average"``, as DDP and Horovod) or the sum (``"sum"``).
     The result is an instance of the optimizer's own class (``isinstance`` holds, so LR schedulers
-    take it) that shares its state and ``param_groups``. Gradients leave during backward where the
-    Trainer would overlap (``overlap=None``; docs/SPEC.md, "Overlap"), in ``step`` with ``"sum"``; a parameter without a gradient
-    on a worker counts as zeros there, and keeps none where no worker has one. Making it sends worker 0's weights to every worker, as ``broadcast_parameters``."""
+    take it) that shares its state and ``param_groups``; making it sends worker 0's weights to every
+    worker. When gradients leave (``overlap``) and what a missing one counts as: docs/PYTORCH.md."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TrainerError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if op not in ("average", "sum"):

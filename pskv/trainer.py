@@ -190,10 +190,8 @@ class Trainer:
             self._arm()
 
     def _arm(self) -> None:
-        """Hooks: a gradient leaves once every replica has it, with those made before it, once they
-        fill about ``RUN_BYTES`` (the rest when backward ends); a module's forward waits for its
-        parameters' pull, made in ``step`` in runs of keys of that size in layer order (a call costs
-        more than a key)."""
+        """The overlap's hooks (docs/DESIGN.md, "Overlap in the Trainer"): gradients leave in pushes of about
+        ``RUN_BYTES``, and a module's forward waits for the run of ``step``'s pulls that holds its parameters."""
         self._sizes = [t.numel() * t.element_size() for t in self._reps[0]]
         self._runs: list[list[int]] = [[]]
         for i in range(len(self._sizes)):

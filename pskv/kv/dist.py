@@ -136,9 +136,8 @@ class DistStore(KVStore):
 
     def _queue_push(self, items: list[Group], handle: Handle, bufs: Optional[list[Tensor]], borrow: bool, held: int, priority: int,
                     rescale: Optional[float] = None) -> Handle:
-        """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values.
-        The GPU values' parts are copied to their page-locked slots together (:meth:`_copy`), and
-        their rows wait for that copy's CUDA event (the I/O thread waits for it, not the caller)."""
+        """Queue the PUSH rows of ``items``; with ``bufs`` (pushpull), answered with the parts' values. GPU values:
+        one :meth:`_copy` to their page-locked slots, which their rows wait for (docs/DESIGN.md, "GPU data path")."""
         self._client.check()
         if self._async and self._optimizer is None:
             raise errors.OptimizerRequiredError("dist_async applies each push on the servers, so it needs an "
@@ -308,9 +307,8 @@ class DistStore(KVStore):
         return handle, [buf for buf, _ in copies]
 
     def _sink(self, handle: Handle, meta: KeyMeta, buf: Tensor, p: Part) -> Sink:
-        """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, the answer is
-        staged (left where it is: the server's shared memory, page-locked here, or the message) and
-        ``handle.wait()`` copies all of them (:meth:`_copy_in`)."""
+        """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, the answer is staged where it
+        arrived and ``handle.wait()`` copies all of them (:meth:`_copy_in`; docs/DESIGN.md, "GPU data path")."""
         piece = self._piece(meta, buf, p) if buf.shape == meta.shape else buf[p.start // meta.row_numel : p.stop // meta.row_numel]
         if not piece.is_cuda:
             return piece
