@@ -151,6 +151,9 @@ class Trainer:
         if kv is not None and not self._update_on_kvstore and kv._optimizer is not None:
             raise TrainerError("update_on_kvstore=False on a store that runs an optimizer (set_optimizer): its pulls would "
                                "bring updated weights, not the summed gradients; give the Trainer a store without one")
+        dist = kv is not None and kv.type.startswith("dist")
+        if overlap and not dist:  # (before the store is touched)
+            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
         self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
         if kv is not None:
@@ -170,9 +173,6 @@ class Trainer:
         self._bucket: list[int] = []  # with overlap: key indexes whose gradients wait for the next push
         self._versions: dict[int, list[int]] = {}  # key index -> its gradients' versions when pushed (update_on_kvstore)
         self._syncing = True
-        dist = kv is not None and kv.type.startswith("dist")
-        if overlap and not dist:
-            raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
         if overlap is None:  # on where it pays: parameters on a GPU, or servers on other hosts
             remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
             overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))

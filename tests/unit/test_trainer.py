@@ -88,6 +88,7 @@ def test_two_trainers_share_one_store(inproc_job: Job) -> None:
         alone = pskv.kv.create("local")
         with pytest.raises(pskv.TrainerError, match="overlap needs a dist store"):
             pskv.Trainer([_ones_param()], "sgd", kvstore=alone, overlap=True)  # not made: not on the store
+        assert alone._keys == {} and alone._optimizer is None  # refused before it touched the store
         first = pskv.Trainer([_ones_param()], "sgd", kvstore=alone)  # its optimizer runs in the store
         with pytest.raises(pskv.TrainerError, match="a second Trainer on this store"):
             pskv.Trainer([_ones_param()], "sgd", kvstore=alone, update_on_kvstore=False)
