@@ -104,8 +104,7 @@ class WorkerClient(Node):
             self.data.connect(f"server {s}", info["endpoint"])
             self.data.connect(f"server {s}/tx", info["endpoint"], receive=False, sndbuf=sndbuf)  # (pushes go on this one)
         for _, msg in early:  # (the scheduler's news: the servers' connections are new)
-            if isinstance(msg, Message):
-                self._control(msg)
+            self._control(msg)
         self._thread = threading.Thread(target=self._loop, name=f"pskv-worker-{self.rank}-io", daemon=True)
         self._thread.start()
         for answers in (True, False):  # the answer connection first: answers to the other go there

@@ -17,7 +17,7 @@ from typing import Any, Optional
 from .. import config
 from ..errors import ClusterError, NodeFailedError, deadline, from_reply, node_failed
 from .message import Message, Type
-from .van import ROLES, PeerGone, PeerUnreachable, Received, Van
+from .van import ROLES, PeerGone, PeerUnreachable, Van
 
 _LOOPBACK = ("127.", "localhost", "::1")
 _LAUNCH = "start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`"
@@ -177,7 +177,7 @@ class Node:
         """The job's nodes (in the table ``join`` got) are on more than one host."""
         return len({n.get("host") for n in [*self.servers, *self.workers]}) > 1
 
-    def join(self, endpoint: Optional[str]) -> list[Received]:
+    def join(self, endpoint: Optional[str]) -> list[tuple[str, Message]]:
         """Register and wait for the node table (``PSKV_START_TIMEOUT``); what came meanwhile and with it."""
         env = self.env
         self.van.connect("scheduler", env.scheduler_endpoint, watch=True)
@@ -189,7 +189,7 @@ class Node:
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()
         until = time.monotonic() + wait + 2.0  # the scheduler's error, naming who is missing, comes first
-        early: list[Received] = []
+        early: list[tuple[str, Message]] = []
         while (left := until - time.monotonic()) > 0:
             if time.monotonic() >= self._next_hb:  # alive while it waits: a closed connection is then a process gone
                 self._next_hb = time.monotonic() + self.hb_interval
