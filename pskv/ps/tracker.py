@@ -64,12 +64,10 @@ class Handle:
                 tracker.raise_failure()  # it may be why this answer is not coming
                 if time.monotonic() > until:  # the I/O thread is gone; do not hang
                     raise DeadlineExceeded("no answer within PSKV_TIMEOUT plus a margin, and the I/O thread stopped expiring requests")
-        if self.error is not None:  # this call's own failure: it says what the call was, unless a push was
-            if tracker is not None and tracker.fatal is None:  # refused before it (why it failed: a pull
-                tracker.raise_failure()  # after a NaN push); a lost node fails both (the job's error)
+        if tracker is not None and (self.error is None or tracker.fatal is None):  # the job's fatal error, or a push
+            tracker.raise_failure()  # refused before this call, first: why it failed (a pull after a NaN push)
+        if self.error is not None:  # this call's own failure: it says what the call was (a lost node fails both)
             _raise(self.error)
-        if tracker is not None:
-            tracker.raise_failure()  # the job's fatal error or a failed push's, if any
         for copied, device in self.copies:
             copied.wait(torch.cuda.current_stream(device))
         try:  # (pop: two threads may wait for one call)
