@@ -199,10 +199,9 @@ class WorkerClient(Node):
             self.flush([server])
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
-        """Send the queued rows of ``servers`` (all by default): PUSH, then PULL messages, the highest
-        priority first; pushes only while the server's connection holds less than ``PSKV_WINDOW_BYTES``
-        not sent yet (the rest wait, so that a more urgent push does not queue behind them); ``soon``:
-        the I/O thread will (rows queued meanwhile join them)."""
+        """Send the queued rows of ``servers`` (all by default): PUSH, then PULL messages, the highest priority first;
+        pushes only while the server's connection holds less than ``PSKV_WINDOW_BYTES`` not sent yet (the rest wait:
+        docs/DESIGN.md, "Priority and a window"); ``soon``: the I/O thread will (rows queued meanwhile join them)."""
         if soon:
             self._last_queued = time.monotonic()
             if self._first_queued is None:

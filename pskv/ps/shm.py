@@ -36,8 +36,7 @@ class Arena:
 
 
 class Shared:
-    """One process's shared memory: the arenas it owns (slots handed out, never freed; a new
-    arena when the newest is full) and the peers' arenas it has mapped, by (pid, fd)."""
+    """One process's shared memory: its own arenas (a new one when the newest is full) and the peers' it has mapped, by (pid, fd)."""
 
     def __init__(self) -> None:
         self.arenas: list[Arena] = []

@@ -1,8 +1,6 @@
-"""Opt-in timeline of every process of a job: ``PSKV_TIMELINE=path`` (nearly free when off; docs/DESIGN.md),
+"""Opt-in timeline of every process of a job (docs/DESIGN.md, "Timeline"): ``PSKV_TIMELINE=path``, nearly free when off;
 ``t0 = timeline.now(); ...; timeline.span("send PUSH", t0, parts=12)``. Each process appends its spans to
-``path.<role>-<rank>.json`` (every 1000, at exit and at SIGTERM; a Chrome trace in the JSON array format, its
-``]`` left out, one event a line) in wall-clock time, which a cluster's hosts share through NTP; ``pskv launch``
-merges those it sees (all on one machine, or in a folder every host shares) into ``path``."""
+``path.<role>-<rank>.json`` (a Chrome trace in the JSON array format, its ``]`` left out, one event a line)."""
 
 from __future__ import annotations
 

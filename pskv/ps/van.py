@@ -2,11 +2,8 @@
 on one endpoint (a ROUTER) and connects to its peers (a DEALER each); a peer is named as given to
 :meth:`Van.connect`, or ``"client:<hex>"`` for a connection that reached us. Payloads are sent without
 copying; ``inproc://`` endpoints run a job in one process. A TCP connection that closes comes out of
-:meth:`Van.recv` as a :class:`PeerGone` at once, so nobody waits for a heartbeat deadline to learn it.
-
-With a job secret (``PSKV_SECRET``), the first frame on every connection proves that its sender holds
-it and says which node it is; a listener acts on nothing else from a connection without that proof,
-and answers nothing (docs/DESIGN.md, "Who may talk to a job")."""
+:meth:`Van.recv` as a :class:`PeerGone` at once, so nobody waits for a heartbeat deadline to learn it. With a
+job secret, a connection first proves it holds it, or is not heard (docs/DESIGN.md, "Who may talk to a job")."""
 
 from __future__ import annotations
 
