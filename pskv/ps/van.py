@@ -273,8 +273,7 @@ class Van:
                 sock.disable_monitor()
             monitor.close(linger=0)
         for sock in [*self._dealers.values(), *([self._router] if self._router is not None else [])]:
-            sock.setsockopt(zmq.LINGER, int(linger * 1000))
-            sock.close()
+            sock.close(linger=int(linger * 1000))
         self._dealers.clear()
         wake, self._wake = self._wake, -1
         os.close(wake)
