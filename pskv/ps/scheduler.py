@@ -108,8 +108,7 @@ class Scheduler:
     def _tell(self, line: str) -> None:
         if self._pipe is not None:
             with contextlib.suppress(OSError):  # the launcher is gone: its lifeline tells us too
-                self._pipe.write(line + "\n")
-                self._pipe.flush()
+                print(line, file=self._pipe, flush=True)
 
     def _handle(self, peer: str, msg: Message) -> None:
         if (node := self.nodes.get(peer)) is not None:
