@@ -227,6 +227,4 @@ def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) ->
         raise ProtocolError(f"payload is {buf.nbytes} bytes, expected {numel} x {itemsize}")
     if buf.readonly:
         buf = memoryview(bytearray(buf))
-    if numel == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype)
+    return torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
