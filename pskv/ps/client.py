@@ -161,9 +161,8 @@ class WorkerClient(Node):
             self._pending_bytes.pop(lost, None)  # (its rows go to the backup below)
         for req in self.tracker.take(f"server {lost}"):
             if req.rows is None:  # a whole message (HELLO, INIT, SET_STATES...): the backup got its own
-                for entry in req.entries:
-                    if entry is not None:
-                        entry[0]._settle()
+                for entry in filter(None, req.entries):
+                    entry[0]._settle()
             rows += [(req.kind, row, frames, entry, True) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
         counted = [entry for kind, row, frames, entry, was in rows if was]
         for kind, row, frames, entry, _ in rows:

@@ -166,9 +166,8 @@ class Tracker:
                 return
             if exc is not None and req.kind == Type.PUSH:
                 self._failed_pushes.append(exc)
-        for entry in req.entries:
-            if entry is not None:
-                entry[0]._settle(exc)
+        for entry in filter(None, req.entries):  # (None: answered)
+            entry[0]._settle(exc)
 
     def take(self, peer: str) -> list[Request]:
         """Remove the open requests to ``peer`` without settling their calls (they are sent elsewhere)."""
