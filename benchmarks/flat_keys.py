@@ -12,7 +12,10 @@ every key, then a wait for the answers. No optimizer, so every pulled value is t
 pushes (SPEC section 3), and that is checked each round. Printed: per round, the worker's CPU time in
 the calls, in the wait, and the wall time (medians), and flat / per parameter.
 
-    .venv/bin/python benchmarks/flat_keys.py [-n 1] [-s 1] [--rounds 30] [--flat-bytes 4194304] [--json PATH]
+    .venv/bin/python benchmarks/flat_keys.py [-n 1] [-s 1] [--rounds 30] [--flat-bytes 4194304] [--device cuda] [--json PATH]
+
+With ``--device cuda`` the pushes leave from, and the pulls land in, GPU tensors (the Trainer's on a
+GPU: its copies staged through page-locked memory), and a round ends once the GPU has the values.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def worker(args: argparse.Namespace) -> None:
     keys = {name: [f"{name}-{i}" for i in range(len(ns))] for name, ns in layouts.items()}
     for name, ns in layouts.items():
         kv.init(keys[name], [torch.zeros(n) for n in ns])
-    grads = {name: [torch.full((n,), float(kv.rank + 1)) for n in ns] for name, ns in layouts.items()}
-    outs = {name: [torch.empty(n) for n in ns] for name, ns in layouts.items()}
+    grads = {name: [torch.full((n,), float(kv.rank + 1), device=args.device) for n in ns] for name, ns in layouts.items()}
+    outs = {name: [torch.empty(n, device=args.device) for n in ns] for name, ns in layouts.items()}
     expected = sum(range(1, kv.num_workers + 1))
     took: dict[str, list[tuple[float, float, float]]] = {name: [] for name in layouts}
     for rnd in range(args.rounds + 2):  # two rounds warm up
@@ -58,6 +61,8 @@ def worker(args: argparse.Namespace) -> None:
             handle = kv.pull(keys[name], outs[name], wait=False)
             calls = time.thread_time() - cpu
             handle.wait()
+            if args.device != "cpu":
+                torch.cuda.synchronize()
             row = (calls, time.thread_time() - cpu - calls, time.perf_counter() - wall)
             if not all(bool((o == expected).all()) for o in outs[name]):
                 raise SystemExit(f"{name}: a pulled value is not the sum of the pushes ({expected})")
@@ -65,14 +70,14 @@ def worker(args: argparse.Namespace) -> None:
                 took[name].append(row)
     if kv.rank == 0:
         med = {name: [statistics.median(r[i] for r in rows) * 1e3 for i in range(3)] for name, rows in took.items()}
-        print(f"ResNet-18 payload, {kv.num_workers} worker(s) x {kv.num_servers} server(s), median of {args.rounds} rounds a layout")
+        print(f"ResNet-18 payload on {args.device}, {kv.num_workers} worker(s) x {kv.num_servers} server(s), median of {args.rounds} rounds a layout")
         print(f"{'':16}{'keys':>6}{'CPU in calls, ms':>18}{'CPU in wait, ms':>17}{'wall, ms':>10}")
         for name, (a, b, c) in med.items():
             print(f"{name:16}{len(keys[name]):6d}{a:18.2f}{b:17.2f}{c:10.1f}")
         ratio = [f / p for f, p in zip(med["flat"], med["per parameter"])]
         print(f"{'flat / per par.':22}{ratio[0]:18.2f}{ratio[1]:17.2f}{ratio[2]:10.2f}")
         if args.json:
-            Path(args.json).write_text(json.dumps({"workers": kv.num_workers, "servers": kv.num_servers, "ms": med}, indent=1))
+            Path(args.json).write_text(json.dumps({"workers": kv.num_workers, "servers": kv.num_servers, "device": args.device, "ms": med}, indent=1))
 
 
 def main() -> None:
@@ -81,13 +86,14 @@ def main() -> None:
     p.add_argument("-s", "--servers", type=int, default=1)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--flat-bytes", type=int, default=4 << 20)
+    p.add_argument("--device", default="cpu", help="where the pushed and pulled tensors are (cpu, cuda)")
     p.add_argument("--json", help="write the medians here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args)
     cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(args.workers), "-s", str(args.servers), "--",
-           sys.executable, str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds), "--flat-bytes", str(args.flat_bytes),
+           sys.executable, str(Path(__file__).resolve()), "--worker", "--rounds", str(args.rounds), "--flat-bytes", str(args.flat_bytes), "--device", args.device,
            *(["--json", str(Path(args.json).resolve())] if args.json else [])]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     sys.exit(subprocess.run(cmd, env=env, cwd=HERE.parent, timeout=900).returncode)

@@ -4,7 +4,8 @@
 #     OUT=/tmp/gpu bash benchmarks/gpu_check.sh          # from the repository root, on a machine with CUDA
 # DEV=cpu BATCH=4 STEPS=1 EPOCHS=1 checks the script itself on a machine without one. BASE=<dir of another
 # checkout> adds that checkout's pskv rows, for a comparison on the same machine. PARTS picks the sections, in
-# the order given (default: all but cluster and sweep): step tests amp devices timeline cluster sweep; `cluster` runs
+# the order given (default: all but cluster and sweep): step tests amp devices timeline flat cluster sweep; `flat` times
+# the payload as per-parameter and as flat keys from GPU tensors (benchmarks/flat_keys.py, RESULTS.md section 26); `cluster` runs
 # benchmarks/cluster_1gbit.py (4 + 4 hosts in network namespaces, 1 Gbit links) where root can make them: a
 # device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10); `sweep`
 # runs it with five other settings of PSKV_CHUNK_BYTES and PSKV_WINDOW_BYTES (one run takes a minute).
@@ -66,6 +67,10 @@ echo "== emulated cluster: pskv's settings across hosts, each in the same run as
 timeout ${SWEEP_TIMEOUT:-300} python3 benchmarks/cluster_1gbit.py --rounds ${ROUNDS:-8} --json $OUT/cluster_sweep.json \
   --try PSKV_CHUNK_BYTES=524288,PSKV_WINDOW_BYTES=262144 --try PSKV_CHUNK_BYTES=262144,PSKV_WINDOW_BYTES=262144 \
   --try PSKV_WINDOW_BYTES=262144 --try PSKV_CHUNK_BYTES=131072,PSKV_WINDOW_BYTES=131072 --try PSKV_WINDOW_BYTES=8388608 2>&1 | tail -20
+}
+flat() {  # RESULTS.md section 26: the ResNet-18 payload as one key per parameter and as 4 MB flat keys, from and into GPU tensors
+echo "== flat keys on the GPU, 1 x 1 and 2 x 2"
+for j in "1 1" "2 2"; do set -- $j; timeout ${FLAT_TIMEOUT:-90} python3 benchmarks/flat_keys.py --device $DEV -n $1 -s $2 --rounds 20 --json $R/flat_keys_$1x$2.json 2>&1 | tail -5; done
 }
 for part in ${PARTS:-step tests amp devices timeline}; do $part; done
 python3 -c "
