@@ -45,7 +45,7 @@ def ddp_hook(kv: KVStore, op: str = "average") -> Hook:
             known.add(key)
         future: torch.futures.Future[Tensor] = torch.futures.Future()
         waiting.put((kv.pushpull(key, buffer, wait=False), future, buffer, op == "average"))
-        return future
+        return future.then(torch.futures.Future.wait)  # (DDP took an exception set in `future` for its value, "Unable to cast ... to Tensor"; a callback's is an error)
 
     return hook
 

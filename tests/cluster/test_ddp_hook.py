@@ -99,6 +99,33 @@ def test_two_models_hooked_to_one_store_have_keys_of_their_own(tmp_path: Path) -
         assert f"rank {rank}: [3.0, 3.0] ['ddp-bucket-0-20-float32', 'ddp-bucket-0-20-float32#1']" in res.stdout, res
 
 
+A_WORKER_LEAVES = """\
+import os, torch, torch.distributed as dist, pskv
+kv = pskv.kv.create("dist_sync")
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=kv.rank, world_size=2)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+model.register_comm_hook(None, pskv.ddp_hook(kv))
+model(torch.ones(2, 4)).sum().backward()
+loss = model(torch.ones(2, 4)).sum()  # (this forward is collective: DDP rebuilds its buckets)
+if kv.rank == 1:
+    kv.close()  # worker 0's round 1 can never complete
+else:
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        print(f"backward raised {e}", flush=True)
+dist.barrier()
+"""
+
+
+def test_a_failed_exchange_reaches_backward_as_pskvs_error(tmp_path: Path) -> None:
+    """It was "Unable to cast <pskv's message> to Tensor": DDP took the exception for the bucket's sum."""
+    res = jobs.launch(tmp_path, A_WORKER_LEAVES, 2, 1, timeout=120)
+    assert res.code == 0, res
+    assert "backward raised " in res.stdout and "Unable to cast" not in res.stdout, res
+    assert "NodeFailedError: push of 1 parts: worker 1 finished (closed its store) without pushing key" in res.stdout, res
+
+
 def test_ddp_hook_refuses_what_it_cannot_do() -> None:
     import pskv
 
