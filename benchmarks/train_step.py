@@ -9,7 +9,8 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``pskv 1x1`` and ``pskv WxS``: ``pskv launch`` of W workers and S servers (``dist_device_sync``,
   the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
   ``pskv WxS sum``: the same with ``update_on_kvstore=False`` (the servers sum, each worker's
-  optimizer updates on the device);
+  optimizer updates on the device); ``... keys``: the Trainer with a store key per parameter instead of
+  flat keys (runs of parameters as one tensor, its default with overlap on a GPU: ``pskv.trainer.FLAT_KEYS``);
 - ``ddp``: W processes of DistributedDataParallel over gloo on the same device;
 - ``ddp hook``: the same DDP, its buckets exchanged through S servers by ``pskv.ddp_hook`` under
   ``pskv launch`` (``dist_device_sync``; gloo only for DDP's setup);
@@ -52,6 +53,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn.functional as F
 
     import pskv
+    import pskv.trainer as trainer_module
     from pskv.app.models import resnet18
     from pskv.ps import timeline
 
@@ -81,7 +83,8 @@ def worker(args: argparse.Namespace) -> None:
             opt = pskv.DistributedOptimizer(opt, kv)  # ("average": its exchange overlaps backward on a GPU; "sum" sends in step)
             rank, world = kv.rank, kv.num_workers
     else:
-        kv = pskv.kv.create("dist_device_sync") if args.config in ("pskv", "pskvsum") else None
+        kv = pskv.kv.create("dist_device_sync") if args.config in ("pskv", "pskvsum", "pskvkeys") else None
+        trainer_module.FLAT_KEYS = False if args.config == "pskvkeys" else None
         overlap = {"on": True, "off": False}.get(args.overlap) if kv is not None else None
         on_kv = False if args.config == "pskvsum" else None  # "pskvsum": the servers sum, the worker's optimizer updates
         trainer = pskv.Trainer(net.parameters(), "sgd", hyper, kvstore=kv, overlap=overlap, update_on_kvstore=on_kv)
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace, config: str, workers: int, servers: int) -> Op
         me = [sys.executable, __file__, "--worker", config, "--out", str(out), "--device", args.device,
               "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap", args.overlap, *(["--sync-backward"] if args.sync_backward else [])]  # fmt: skip
         env = {**os.environ, "PSKV_TIMELINE": getattr(args, "trace", None) or os.environ.get("PSKV_TIMELINE") or str(Path(tmp) / "t.json")}
-        if config in ("pskv", "pskvsum", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
+        if config in ("pskv", "pskvsum", "pskvkeys", "ddphook", "torchopt"):  # (pskv launch sets MASTER_ADDR/PORT for DDP's setup)
             cmd = [sys.executable, "-m", "pskv", "launch", "-n", str(workers), "-s", str(servers), "--", *me]
         else:
             cmd = me
@@ -185,8 +188,8 @@ def main() -> int:
         worker(argparse.Namespace(**{**vars(args), "config": args.worker}))
         return 0
     w, s = args.workers, args.servers
-    table = [("plain", "plain", 1, 0), ("pskv local", "local", 1, 0), ("pskv 1x1", "pskv", 1, 1),
-             (f"pskv {w}x{s}", "pskv", w, s), (f"pskv {w}x{s} sum", "pskvsum", w, s), (f"ddp x{w} (gloo)", "ddp", w, 0),
+    table = [("plain", "plain", 1, 0), ("pskv local", "local", 1, 0), ("pskv 1x1", "pskv", 1, 1), ("pskv 1x1 keys", "pskvkeys", 1, 1),
+             (f"pskv {w}x{s}", "pskv", w, s), (f"pskv {w}x{s} keys", "pskvkeys", w, s), (f"pskv {w}x{s} sum", "pskvsum", w, s), (f"ddp x{w} (gloo)", "ddp", w, 0),
              (f"ddp hook {w}x{s}", "ddphook", w, s), (f"torch opt {w}x{s}", "torchopt", w, s)]  # fmt: skip
     table = [row for row in table if row[0] not in args.skip]
     tries: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in table}

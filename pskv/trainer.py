@@ -26,6 +26,8 @@ from .ps.tracker import Handle
 
 BROADCAST_KEYS = 2**40  # int keys from here up are the broadcasts' (pskv.distributed), below a Trainer's
 RUN_BYTES = 4 << 20  # with overlap, gradients are pushed and weights pulled in calls of about this many bytes
+FLAT_KEYS: Optional[bool] = None  # with overlap, a store key per run of parameters (_flatten); None: where they are on GPUs
+_FLAT: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()  # parameters in runs (id -> itself): another Trainer's keep theirs
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
 
@@ -61,6 +63,32 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     if any(k != keys[0] or [t.shape for t in ts] != [t.shape for t in tensors[0]] for k, ts in zip(keys, tensors)):
         raise TrainerError("every device replica must have the same parameters, in the same order and shapes")
     return keys[0], tensors
+
+
+def _flatten(keys: list[Key], reps: list[list[Tensor]]) -> tuple[list[Key], list[list[Tensor]], list[list[int]], dict[int, tuple[Tensor, Tensor]]]:
+    """Runs of about ``RUN_BYTES`` of parameters of one dtype as one flat tensor per replica, each a store key named
+    by its first parameter's: the parameters become views of it, and their gradients views of its ``grad``
+    (:meth:`Trainer._gathered`), as DDP's ``gradient_as_bucket_view``. Also: each run's parameter indexes, and
+    each parameter's weight and gradient views (by its id)."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(reps[0]):
+        if not runs or t.dtype != reps[0][runs[-1][0]].dtype or sum(reps[0][j].nbytes for j in runs[-1]) >= RUN_BYTES:
+            runs.append([])
+        runs[-1].append(i)
+    flats: list[list[Tensor]] = []
+    views: dict[int, tuple[Tensor, Tensor]] = {}
+    for rep in reps:
+        flats.append([])
+        for run in runs:
+            flat = torch.cat([rep[i].detach().reshape(-1) for i in run])
+            flat.grad = torch.zeros_like(flat)
+            at = 0
+            for i in run:
+                views[id(rep[i])] = flat[at : at + rep[i].numel()].view_as(rep[i]), flat.grad[at : at + rep[i].numel()].view_as(rep[i])
+                rep[i].data, _FLAT[id(rep[i])] = views[id(rep[i])][0], rep[i]
+                at += rep[i].numel()
+            flats[-1].append(flat)
+    return [keys[run[0]] for run in runs], flats, runs, views
 
 
 class _FirstReads(TorchFunctionMode):
@@ -156,6 +184,15 @@ class Trainer:
             raise TrainerError("overlap needs a dist store: an in-process store has no exchange to overlap")
         # dist_sync types: gradients go "held" and the update waits for step's rescale (see rounds.py)
         self._held = kv is not None and self._update_on_kvstore and kv.type in ("dist_sync", "dist_device_sync")
+        if overlap is None:  # on where it pays: parameters on a GPU, or servers on other hosts
+            remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
+            overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
+        self._overlap = bool(overlap)
+        self._names, self._params = self._keys, self._reps  # the parameters; the store's keys and values may be runs of them
+        self._members, self._views = [[i] for i in range(len(self._keys))], cast(dict[int, tuple[Tensor, Tensor]], {})
+        if self._overlap and not any(id(t) in _FLAT for rep in self._reps for t in rep) and (
+                FLAT_KEYS if FLAT_KEYS is not None else all(t.is_cuda for rep in self._reps for t in rep)):
+            self._keys, self._reps, self._members, self._views = _flatten(self._keys, self._reps)
         if kv is not None:
             if compression_params:
                 kv.set_gradient_compression(compression_params)
@@ -173,10 +210,6 @@ class Trainer:
         self._bucket: list[int] = []  # with overlap: key indexes whose gradients wait for the next push
         self._versions: dict[int, list[int]] = {}  # key index -> its gradients' versions when pushed (update_on_kvstore)
         self._syncing = True
-        if overlap is None:  # on where it pays: parameters on a GPU, or servers on other hosts
-            remote = kv is not None and len(getattr(kv, "_shm_servers", ())) < getattr(kv, "num_servers", 0)
-            overlap = dist and (remote or any(t.is_cuda for rep in self._reps for t in rep))
-        self._overlap = bool(overlap)
         if kv is not None:  # (made: the Trainers on a store, while they live)
             kv.__dict__.setdefault("_trainers", weakref.WeakSet()).add(self)
         # the forwards before the first step (no pull in flight yet) show where each parameter's first read
@@ -198,7 +231,7 @@ class Trainer:
             if sum(self._sizes[j] for j in self._runs[-1]) >= RUN_BYTES:
                 self._runs.append([])
             self._runs[-1].append(i)
-        where = self._where = {id(t): i for rep in self._reps for i, t in enumerate(rep)}
+        where = self._where = {id(rep[j]): i for rep in self._params for i, run in enumerate(self._members) for j in run}
         reads = self._first_reads = _FirstReads(where)
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
         def grad_ready(param: Tensor) -> None:
@@ -222,7 +255,7 @@ class Trainer:
             if not torch.compiler.is_compiling() and reads.running and threading.get_ident() == reads.thread:
                 reads.ends(module)
 
-        hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._reps for t in rep]  # type: ignore[no-untyped-call]
+        hooks = [t.register_post_accumulate_grad_hook(grad_ready) for rep in self._params for t in rep]  # type: ignore[no-untyped-call]
         self._after_forward = register_module_forward_hook(after_forward, always_call=True)  # (removed at the first step)
         for hook in [*hooks, register_module_forward_pre_hook(before_forward), self._after_forward]:
             weakref.finalize(self, hook.remove)
@@ -238,18 +271,42 @@ class Trainer:
         i = self._where[id(param)]
         if self._pushed[i]:
             self._versions.pop(i, None)  # (this error says it: step goes on with the gradient that left)
-            raise TrainerError(f"parameter {self._keys[i]!r} got a second gradient before step(): with overlap it left "
+            raise TrainerError(f"parameter {self._name(param)!r} got a second gradient before step(): with overlap it left "
                                "in the first backward; accumulate inside `with trainer.no_sync():` (all but the last "
                                "backward), and keep a backward from filling gradients not stepped (a GAN's D in G's "
                                "backward: `with trainer_d.no_sync():` around it, or D.requires_grad_(False))")
+        self._gathered(param)
         self._ready[i] += 1
         grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
-        if self._ready[i] < len(self._reps) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
+        if self._ready[i] < len(self._reps) * len(self._members[i]) or (not self._update_on_kvstore and any(g.is_sparse for g in grads)):
             return  # a sparse sum comes back by pull in step (pushpull would not fill a sparse grad)
         self._pushed[i] = True  # till the end of step: a second gradient before then is refused
         self._bucket.append(i)
         if sum(self._sizes[j] for j in self._bucket) >= RUN_BYTES:
             self._send_bucket()
+
+    def _name(self, param: Tensor) -> Key:
+        return next(k for rep in self._params for k, t in zip(self._names, rep) if t is param)
+
+    def _gathered(self, param: Tensor) -> None:
+        """With flat keys, ``param``'s gradient becomes its view of its run's (copied there if autograd made a
+        new one); none: the view is zeros, and the gradient stays None (a row-sparse one later is refused)."""
+        weight, view = self._views.get(id(param), (None, None))
+        if view is None:
+            return
+        if param.data_ptr() != weight.data_ptr() or param.shape != weight.shape:  # type: ignore[union-attr]
+            raise TrainerError(f"parameter {self._name(param)!r} is no longer the tensor the Trainer was made with (param.data "
+                               "= ...?): its store key is a run of parameters (flat keys: parameters on GPUs, with overlap) "
+                               "whose weights are views of one tensor; copy new values in (param.copy_, load_state_dict)")
+        if param.grad is view:
+            return
+        if param.grad is not None and param.grad.layout != torch.strided:
+            raise TrainerError(f"parameter {self._name(param)!r} got a row-sparse gradient, but its store key is a run of "
+                               "parameters (flat keys: parameters on GPUs, with overlap): pass overlap=False")
+        with torch.no_grad():
+            view.copy_(param.grad) if param.grad is not None else view.zero_()
+        if param.grad is not None:
+            param.grad = view
 
     def _backward_end(self) -> None:
         self._queued = False
@@ -344,15 +401,18 @@ class Trainer:
     def _unsent(self, ignore_stale_grad: bool) -> tuple[list[int], list[list[Tensor]]]:
         """The keys backward did not push (all of them without overlap) and their gradients."""
         which = [i for i, sent in enumerate(self._pushed) if not sent]
+        for j in (j for i in which for j in self._members[i]):
+            for d, params in enumerate(self._params):
+                if params[j].grad is None and not ignore_stale_grad:
+                    raise TrainerError(f"parameter {self._names[j]!r} (replica {d}) has no gradient: it was "
+                                       "not used in the forward pass since the last step; pass "
+                                       "ignore_stale_grad=True to push zeros for it")
+                self._gathered(params[j])
         grads: list[list[Tensor]] = []
         for i in which:
             grads.append([])
-            for d, rep in enumerate(self._reps):
+            for rep in self._reps:
                 g, t = rep[i].grad, rep[i]
-                if g is None and not ignore_stale_grad:
-                    raise TrainerError(f"parameter {self._keys[i]!r} (replica {d}) has no gradient: it was "
-                                       "not used in the forward pass since the last step; pass "
-                                       "ignore_stale_grad=True to push zeros for it")
                 if g is None:  # a stand-in; row-sparse with no rows where the key's gradients are (earlier, or another replica's now)
                     sparse = i in self._sparse or any(getattr(r[i].grad, "is_sparse", False) for r in self._reps)
                     g = torch.sparse_coo_tensor(t.new_zeros((1, 0), dtype=torch.long), t.new_zeros((0, *t.shape[1:])), t.shape) if sparse else torch.zeros_like(t)
@@ -420,9 +480,9 @@ class Trainer:
                 self._kv.pull(keys, grads, ignore_sparse=False)
             self.synchronize()  # the sums of what backward pushed (with overlap)
         for i, gs in zip(rest, grads):  # a pushed stand-in for a missing grad becomes the grad (none pushed: none)
-            for rep, g in zip(self._reps, gs):
-                if rep[i].grad is None and self._kv is not None:
-                    rep[i].grad = g
+            for params, g in zip(self._params, gs):
+                for p in (params[j] for j in self._members[i] if params[j].grad is None and self._kv is not None):
+                    p.grad = self._views[id(p)][1] if self._views else g
         self._next_step()
 
     def update(self, batch_size: float) -> None:

@@ -4,7 +4,7 @@ back without blocking, device lists summed on a device; run where a CUDA device 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -43,11 +43,15 @@ def test_gpu_values_through_the_servers(inproc_job: Job, monkeypatch: pytest.Mon
     assert job.run_workers(body, store) == [want, want]
 
 
-def test_overlap_on_gpu_gives_the_numbers_of_the_plain_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("flat", [None, False], ids=["flat keys (the default on GPUs)", "a key per parameter"])
+def test_overlap_on_gpu_gives_the_numbers_of_the_plain_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, flat: Optional[bool]) -> None:
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # (its convolutions' backward may sum in any order)
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", flat)
     plain = inproc_job(2, 2).run_workers(lambda kv: _train(kv, False, None, device="cuda"))
-    overlapped = inproc_job(2, 2).run_workers(lambda kv: _train(kv, True, None, device="cuda"))
+    overlapped = inproc_job(2, 2).run_workers(lambda kv: (_train(kv, True, None, device="cuda"), len(kv._keys)))
+    assert [n for _, n in overlapped] == ([1, 1] if flat is None else [10, 10])  # (_Branchy: 10 parameters, 19 KB)
+    overlapped = [w for w, _ in overlapped]
     for a, b in zip(plain[0], overlapped[0]):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
 

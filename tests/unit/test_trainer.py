@@ -343,9 +343,11 @@ def test_two_replicas_with_split_batches_match_one_device() -> None:
             torch.testing.assert_close(mine.detach(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_two_replicas_with_overlap_match_one_device(inproc_job: Job) -> None:
+@pytest.mark.parametrize("flat", [False, True], ids=["a key per parameter", "flat keys"])
+def test_two_replicas_with_overlap_match_one_device(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, flat: bool) -> None:
     """Overlapped pulls write every replica after the step (a pull's copies to outputs past the
     first run in the forward pre-hook, outside the store's call: they must not be recorded by autograd)."""
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", flat)
     batches = _batches()
 
     def body(kv: KVStore) -> list[list[torch.Tensor]]:
@@ -658,6 +660,43 @@ def test_overlap_gives_the_numbers_of_the_plain_path(inproc_job: Job, monkeypatc
             assert torch.equal(a, b), (a - b).abs().max()
     for a, b in zip(overlapped[0], overlapped[1]):
         assert torch.equal(a, b), "the workers' weights differ"
+
+
+@pytest.mark.parametrize(("uok", "accumulate", "set_to_none"), [(None, 1, True), (False, 1, True), (None, 2, False)])
+def test_flat_keys_give_the_numbers_of_a_key_per_parameter(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, uok: Any, accumulate: int,
+                                                           set_to_none: bool) -> None:
+    """Flat keys (by default for parameters on GPUs; forced here): a store key per run of parameters, which are views
+    of one tensor, their gradients views of its grad; a run with an unused parameter leaves in step. The weights
+    are those of a key per parameter up to rounding (the fused kernels' vector lanes meet other elements)."""
+    monkeypatch.setattr("pskv.trainer.RUN_BYTES", 2048)  # _Branchy's 10 parameters in 2 runs
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", False)
+    per_key = inproc_job(2, 2).run_workers(lambda kv: (_train(kv, True, uok, accumulate, set_to_none), len(kv._keys)))
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", True)
+    flat = inproc_job(2, 2).run_workers(lambda kv: (_train(kv, True, uok, accumulate, set_to_none), len(kv._keys)))
+    assert [n for _, n in per_key] == [10, 10] and [n for _, n in flat] == [2, 2]
+    for worker in range(2):
+        for a, b in zip(per_key[worker][0], flat[worker][0]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_flat_keys_refuse_row_sparse_gradients_and_replaced_parameters(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", True)
+
+    def body(kv: KVStore) -> str:
+        emb, lin = nn.Embedding(4, 2, sparse=True), nn.Linear(2, 2)
+        tr = pskv.Trainer([*emb.parameters(), *lin.parameters()], "sgd", kvstore=kv, overlap=True)
+        assert tr.overlap and lin.weight.untyped_storage().data_ptr() == emb.weight.untyped_storage().data_ptr()  # one run
+        lin(torch.ones(2)).sum().backward()
+        assert lin.weight.grad.untyped_storage().data_ptr() == lin.bias.grad.untyped_storage().data_ptr()  # views of its grad
+        tr.step(1, ignore_stale_grad=True)
+        with pytest.raises(pskv.TrainerError, match=r"parameter 0 got a row-sparse gradient, .* pass overlap=False"):
+            emb(torch.tensor([1])).sum().backward()
+        lin.weight.data = torch.zeros(2, 2)
+        with pytest.raises(pskv.TrainerError, match=r"parameter 1 is no longer the tensor the Trainer was made with"):
+            lin(torch.ones(2)).sum().backward()
+        return "refused"
+
+    assert inproc_job(1, 1).run_workers(body) == ["refused"]
 
 
 def test_overlap_with_gradient_accumulation_and_zeroed_grads(inproc_job: Job) -> None:
