@@ -5,6 +5,7 @@ next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipelin
 from __future__ import annotations
 
 import sys
+import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
@@ -44,8 +45,10 @@ def create_dist(name: str) -> KVStore:
 
 
 def _close(client: WorkerClient) -> None:
+    # what this process dies of: Python sets it for an uncaught exception (a prompt: for any error it shows)
+    exc = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)
     try:
-        client.close()
+        client.close(traceback.format_exception_only(exc)[-1].strip()[:2000] if exc is not None else None)
     except Exception as exc:  # exiting anyway; say why the job may see this worker as failed
         print(f"pskv: while closing the store: {exc}", file=sys.stderr)
 

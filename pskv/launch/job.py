@@ -184,6 +184,7 @@ class ProcessContext:
                 self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; {note}", failed[0])
                 continue
             named = self._named(failed[0]) if failed else None
+            named = (self._named(named) or named) if named is not None and named.returncode else named  # failed too (the scheduler, of a worker that raised): what its error names
             if named is not None and named.returncode is None and time.monotonic() < (blame_until := blame_until or time.monotonic() + self.GRACE):
                 time.sleep(0.05)  # its error names a worker or server that is still exiting: that one's status is the job's
                 continue

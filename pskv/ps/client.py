@@ -351,7 +351,7 @@ class WorkerClient(Node):
         self.send(SCHEDULER, Message(Type.BARRIER, meta=meta), f"barrier of the {group}s", lambda m: got.extend((m.meta or {}).get("values", []))).wait()
         return got
 
-    def close(self) -> None:
+    def close(self, failed: Optional[str] = None) -> None:
         if self._thread is None or self._stop:
             return
         try:
@@ -361,7 +361,7 @@ class WorkerClient(Node):
                 while (len(self.tracker) or self._pending) and time.monotonic() < until and self.tracker.fatal is None:
                     self._pump(0.05)
                 self._finishing = True  # (the scheduler may close our connection from now on: not a failure)
-                done = self.send(SCHEDULER, Message(Type.FINALIZE), f"worker {self.rank} finishing")
+                done = self.send(SCHEDULER, Message(Type.FINALIZE, meta={"failed": failed} if failed else None), f"worker {self.rank} finishing")
                 until = time.monotonic() + 10.0
                 while not done._done and time.monotonic() < until:  # answered by the I/O thread
                     time.sleep(0.005)

@@ -253,8 +253,10 @@ class Scheduler:
     def _finalize(self, node: _Node, msg: Message) -> None:
         if node.role != "worker":
             raise ClusterError("only workers finalize")
-        node.finished = True
         self.van.post(node.peer, msg.reply(Type.OK))
+        if (failed := (msg.meta or {}).get("failed")) and not node.lost:  # it dies of an uncaught exception: lost, not finished
+            return self._lost(node, f"it exited with an uncaught {failed}")
+        node.finished = True
         say("scheduler", f"{node} finished")
         if node.lost or node.joining:  # the rounds go on without it already
             return

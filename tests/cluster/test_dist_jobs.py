@@ -119,6 +119,61 @@ def test_worker_leaving_early_is_named(tmp_path: Path) -> None:
     assert res.seconds < 60, "the error must come long before PSKV_TIMEOUT"
 
 
+CRASH = """
+import sys, time, torch, pskv
+kv = pskv.kv.create("dist_sync")
+kv.init("w", torch.zeros(4))
+out, seen = torch.empty(4), []
+for step in range(5):
+    if kv.rank == 1 and step == 2:
+        raise {}  # uncaught: its store still closes at exit
+    kv.push("w", torch.ones(4))
+    kv.pull("w", out)
+    seen.append(out[0].item())
+    time.sleep(0.2)
+print("seen", seen, flush=True)
+"""
+
+
+def test_a_worker_dying_of_an_uncaught_exception_failed_it_did_not_finish(tmp_path: Path) -> None:
+    """Started by hand (no launcher): worker 1 raises at its 3rd step. Its store, closed at exit,
+    tells the scheduler it failed and why: worker 0's call names it, the scheduler and the server exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    from pskv.launch.local import free_port
+
+    (script := tmp_path / "w.py").write_text(CRASH.format('RuntimeError("worker 1 crashes at step 2")'))
+    base = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSKV_TIMEOUT": "60"}  # fmt: skip
+    serve = [sys.executable, "-m", "pskv", "serve"]
+    procs = {name: subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv, env in [("scheduler", serve, {"DMLC_ROLE": "scheduler"}), ("server", serve, {"DMLC_ROLE": "server"}),
+                                     *((f"worker {i}", [sys.executable, str(script)], {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": str(i)}) for i in (0, 1))]}  # fmt: skip
+    try:
+        outs = {name: p.communicate(timeout=60) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    codes = {name: p.returncode for name, p in procs.items()}
+    assert codes == {"scheduler": 1, "server": 1, "worker 0": 1, "worker 1": 1}, (codes, outs)
+    failed = f"worker 1 (host {socket.gethostname()}, pid {procs['worker 1'].pid}) failed: it exited with an uncaught RuntimeError: worker 1 crashes at step 2"
+    assert failed in outs["scheduler"][1] and failed in outs["server"][1], outs
+    assert f"NodeFailedError: pull of 1 parts: {failed}" in outs["worker 0"][1] or f"NodeFailedError: push of 1 parts: {failed}" in outs["worker 0"][1], outs
+    assert "finished" not in outs["worker 0"][1], outs
+
+
+def test_min_workers_the_job_goes_on_without_a_worker_that_raised(tmp_path: Path) -> None:
+    """SPEC "Going on without a worker": a worker that exited with an error (here an uncaught
+    KeyboardInterrupt) is lost, not finished; with ``--min-workers 1`` the other goes on alone."""
+    res = launch(tmp_path, CRASH.format("KeyboardInterrupt"), 2, 1, launch_args=["--min-workers", "1"], timeout=120)
+    assert res.code == 0 and "seen [2.0, 2.0, 1.0, 1.0, 1.0]" in res.stdout, res
+    assert "worker 1 (host" in res.stderr and "failed: it exited with an uncaught KeyboardInterrupt" in res.stderr, res
+
+
 def test_killed_server_is_named_and_the_job_stops(tmp_path: Path) -> None:
     script = """
     import os, signal, time, torch, pskv
@@ -814,7 +869,7 @@ def test_max_restarts_a_worker_back_with_weights_of_its_own_is_refused(tmp_path:
     assert res.code == 0 and "restarted worker 2 (restart 1 of 1)" in res.stderr, res
     assert "TrainerError: this worker is back in a lost one's place (pskv launch --max-restarts), but with update_on_kvstore=False" in res.stderr, res
     assert res.stdout.count("trainer made") == 3, res  # worker 2 in its first life; not back
-    assert "worker 2 exited with status 1; the job goes on with 2 workers" in res.stderr, res
+    assert "worker 2 (host" in res.stderr and "failed: it exited with an uncaught pskv.errors.TrainerError" in res.stderr, res  # lost, not finished
 
 
 @pytest.mark.parametrize("victim", ["2", "0"])
