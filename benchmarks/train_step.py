@@ -9,8 +9,9 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``pskv 1x1`` and ``pskv WxS``: ``pskv launch`` of W workers and S servers (``dist_device_sync``,
   the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
   ``pskv WxS sum``: the same with ``update_on_kvstore=False`` (the servers sum, each worker's
-  optimizer updates on the device); ``... keys``: the Trainer with a store key per parameter instead of
-  flat keys (runs of parameters as one tensor, its default with overlap on a GPU: ``pskv.trainer.FLAT_KEYS``);
+  optimizer updates on the device); with overlap these rows have flat keys (runs of parameters as one
+  tensor, the Trainer's default with overlap on a GPU: ``pskv.trainer.FLAT_KEYS``), and the ``... keys``
+  rows a store key per parameter;
 - ``ddp``: W processes of DistributedDataParallel over gloo on the same device;
 - ``ddp hook``: the same DDP, its buckets exchanged through S servers by ``pskv.ddp_hook`` under
   ``pskv launch`` (``dist_device_sync``; gloo only for DDP's setup);
@@ -84,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
             rank, world = kv.rank, kv.num_workers
     else:
         kv = pskv.kv.create("dist_device_sync") if args.config in ("pskv", "pskvsum", "pskvkeys") else None
-        trainer_module.FLAT_KEYS = False if args.config == "pskvkeys" else None
+        trainer_module.FLAT_KEYS = args.config != "pskvkeys"
         overlap = {"on": True, "off": False}.get(args.overlap) if kv is not None else None
         on_kv = False if args.config == "pskvsum" else None  # "pskvsum": the servers sum, the worker's optimizer updates
         trainer = pskv.Trainer(net.parameters(), "sgd", hyper, kvstore=kv, overlap=overlap, update_on_kvstore=on_kv)
