@@ -490,6 +490,8 @@ class Trainer:
         if self._update_on_kvstore:
             raise TrainerError("update() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
         self._set_scale(batch_size)
+        for p in self._params[0]:  # (flat keys: a gradient replaced since allreduce_grads into its run's)
+            self._gathered(p)
         with torch.no_grad():
             which = [i for i, t in enumerate(self._reps[0]) if t.grad is not None]
             first = [self._reps[0][i] for i in which]

@@ -699,6 +699,26 @@ def test_flat_keys_refuse_row_sparse_gradients_and_replaced_parameters(inproc_jo
     assert inproc_job(1, 1).run_workers(body) == ["refused"]
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["a key per parameter", "flat keys"])
+def test_flat_keys_take_a_gradient_replaced_between_allreduce_grads_and_update(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, flat: bool) -> None:
+    """SPEC: with update_on_kvstore=False, change the gradients between allreduce_grads() and update(). With flat
+    keys update() read the run's gradient, so one replaced there (``p.grad = p.grad * 0.5``) was left out, in silence."""
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", flat)
+
+    def body(kv: KVStore) -> list[torch.Tensor]:
+        a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+        tr = pskv.Trainer([a, b], "sgd", {"learning_rate": 1.0}, kvstore=kv, update_on_kvstore=False, overlap=True)
+        assert bool(tr._views) is flat
+        (2 * a.sum() + 2 * b.sum()).backward()
+        tr.allreduce_grads()
+        a.grad = a.grad * 0.5
+        tr.update(1)
+        return [a.detach(), b.detach()]
+
+    a, b = inproc_job(1, 1).run_workers(body)[0]
+    assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.full((2,), -1.0)), (a, b)
+
+
 def test_overlap_with_gradient_accumulation_and_zeroed_grads(inproc_job: Job) -> None:
     plain = inproc_job(2, 1).run_workers(lambda kv: _train(kv, False, None, 2, False))
     overlapped = inproc_job(2, 1).run_workers(lambda kv: _train(kv, True, None, 2, False))
