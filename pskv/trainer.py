@@ -325,7 +325,7 @@ class Trainer:
         push = [(self._metas[i], cast(list[Tensor], [rep[i].grad for rep in self._reps])) for i in which]
         if self._update_on_kvstore:
             self._kv._checked(push, None, -which[-1], held=self._held)
-            self._versions.update((i, [getattr(g, "_version", -1) for g in gs]) for i, (_, gs) in zip(which, push))
+            self._versions.update((i, [getattr(ps[j].grad, "_version", -1) for ps in self._params for j in self._members[i]]) for i in which)
         else:
             self._inflight.update(dict.fromkeys(which, self._kv._checked(push, push, -which[-1])))
         timeline.span(f"push {self._keys[which[0]]}..{self._keys[which[-1]]}", t0, keys=len(which))
@@ -446,7 +446,7 @@ class Trainer:
             return
         assert self._kv is not None
         self._send_bucket()
-        edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(r[i].grad, "_version", -1) for r in self._reps] != v], {}
+        edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(ps[j].grad, "_version", -1) for ps in self._params for j in self._members[i]] != v], {}
         if edited:
             raise TrainerError(f"the gradients of {edited[:3]} changed after backward pushed them (with overlap they leave during backward): "
                                "clip with the optimizer's clip_gradient (on the servers), or change them with update_on_kvstore=False "

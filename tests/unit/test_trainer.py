@@ -719,6 +719,31 @@ def test_flat_keys_take_a_gradient_replaced_between_allreduce_grads_and_update(i
     assert torch.equal(a, torch.zeros(3)) and torch.equal(b, torch.full((2,), -1.0)), (a, b)
 
 
+@pytest.mark.parametrize("flat", [False, True], ids=["a key per parameter", "flat keys"])
+def test_flat_keys_refuse_a_gradient_replaced_after_backward_pushed_it(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, flat: bool) -> None:
+    """SPEC: with update_on_kvstore, a gradient changed after backward pushed it is an error. With flat keys the
+    check read the run's gradient, so one replaced (``p.grad = ...``) went unseen: the update took the old one."""
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", flat)
+
+    def body(kv: KVStore) -> str:
+        a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+        tr = pskv.Trainer([a, b], "sgd", {"learning_rate": 1.0}, kvstore=kv, overlap=True)
+        assert bool(tr._views) is flat
+        for step in range(2):
+            (a.sum() + b.sum()).backward()
+            if step == 1:
+                b.grad = b.grad * 0.5
+                with pytest.raises(pskv.TrainerError, match=r"changed after backward pushed them"):
+                    tr.step(1)
+                return "refused"
+            tr.step(1)
+            for p in (a, b):  # zero_grad(set_to_none=False): the next backward adds into them
+                p.grad.zero_()
+        return "not refused"
+
+    assert inproc_job(1, 1).run_workers(body) == ["refused"]
+
+
 def test_overlap_with_gradient_accumulation_and_zeroed_grads(inproc_job: Job) -> None:
     plain = inproc_job(2, 1).run_workers(lambda kv: _train(kv, False, None, 2, False))
     overlapped = inproc_job(2, 1).run_workers(lambda kv: _train(kv, True, None, 2, False))
