@@ -66,13 +66,14 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
 
 
 def _flatten(keys: list[Key], reps: list[list[Tensor]]) -> tuple[list[Key], list[list[Tensor]], list[list[int]], dict[int, tuple[Tensor, Tensor]]]:
-    """Runs of about ``RUN_BYTES`` of parameters of one dtype as one flat tensor per replica, each a store key named
+    """Runs of about ``RUN_BYTES`` of parameters of one dtype and device as one flat tensor per replica, each a store key named
     by its first parameter's: the parameters become views of it, and their gradients views of its ``grad``
     (:meth:`Trainer._gathered`), as DDP's ``gradient_as_bucket_view``. Also: each run's parameter indexes, and
     each parameter's weight and gradient views (by its id)."""
     runs: list[list[int]] = []
     for i, t in enumerate(reps[0]):
-        if not runs or t.dtype != reps[0][runs[-1][0]].dtype or sum(reps[0][j].nbytes for j in runs[-1]) >= RUN_BYTES:
+        first = reps[0][runs[-1][0]] if runs else t
+        if not runs or (t.dtype, t.device) != (first.dtype, first.device) or sum(reps[0][j].nbytes for j in runs[-1]) >= RUN_BYTES:
             runs.append([])
         runs[-1].append(i)
     flats: list[list[Tensor]] = []
@@ -190,7 +191,7 @@ class Trainer:
         self._overlap = bool(overlap)
         self._names, self._params = self._keys, self._reps  # the parameters; the store's keys and values may be runs of them
         self._members, self._views = [[i] for i in range(len(self._keys))], cast(dict[int, tuple[Tensor, Tensor]], {})
-        if self._overlap and not any(id(t) in _FLAT for rep in self._reps for t in rep) and (
+        if self._overlap and not any(id(t) in _FLAT or t.untyped_storage().nbytes() != t.nbytes for rep in self._reps for t in rep) and (
                 FLAT_KEYS if FLAT_KEYS is not None else all(t.is_cuda for rep in self._reps for t in rep)):
             self._keys, self._reps, self._members, self._views = _flatten(self._keys, self._reps)
         if kv is not None:

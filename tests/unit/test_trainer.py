@@ -679,6 +679,23 @@ def test_flat_keys_give_the_numbers_of_a_key_per_parameter(inproc_job: Job, monk
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_flat_keys_leave_parameters_that_share_memory_already_and_a_dtype_or_device_starts_a_run(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parameters that are views of one tensor already (cuDNN's RNN weights, another Trainer's runs) keep a key each:
+    a run would re-point them; a new dtype starts a new run."""
+    monkeypatch.setattr("pskv.trainer.FLAT_KEYS", True)
+
+    def body(kv: KVStore) -> list[int]:
+        chunk = torch.zeros(6)
+        shared = [nn.Parameter(chunk[:3]), nn.Parameter(chunk[3:])]
+        mixed = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float64))]
+        trainers = [pskv.Trainer(ps, "sgd", kvstore=kv, update_on_kvstore=False, overlap=True) for ps in (shared, mixed)]
+        at = mixed[2].data_ptr()  # alone in its run: only the record of runs says it is in one
+        trainers.append(pskv.Trainer(mixed[2:], "sgd", kvstore=kv, update_on_kvstore=False, overlap=True))
+        return [len(t._keys) for t in trainers] + [mixed[2].data_ptr() == at]
+
+    assert inproc_job(1, 1).run_workers(body) == [[2, 2, 1, True]]
+
+
 def test_flat_keys_refuse_row_sparse_gradients_and_replaced_parameters(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pskv.trainer.FLAT_KEYS", True)
 
