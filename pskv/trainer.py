@@ -512,9 +512,14 @@ class Trainer:
     def load_states(self, path: Union[str, Path]) -> None:
         """Restore states written by :meth:`save_states` (to the servers when they run the optimizer)."""
         self.synchronize()
-        if self._update_on_kvstore and self._kv is not None:
-            self._kv.load_optimizer_states(path)
-            self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
-        else:
-            self._optimizer.load_state_dict(optim.load_states(path), weights=dict(enumerate(self._reps[0])))
+        try:
+            if self._update_on_kvstore and self._kv is not None:
+                self._kv.load_optimizer_states(path)
+                self._optimizer.num_update = int(optim.load_states(path).get("num_update", 0))
+            else:
+                self._optimizer.load_state_dict(optim.load_states(path), weights=dict(enumerate(self._reps[0])))
+        except OptimizerError as exc:
+            mine, other = ("runs of parameters (flat keys)", "a key per parameter") if self._views else ("one per parameter", "runs of parameters (flat keys)")
+            raise OptimizerError(f"{exc} (this Trainer's store keys are {mine}; states saved with {other} do not fit them: "
+                                 "docs/DESIGN.md, 'Flat keys')") from exc
         self._steps = self._optimizer.num_update // self._pace  # the schedule goes on from the saved step

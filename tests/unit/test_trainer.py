@@ -696,6 +696,24 @@ def test_flat_keys_leave_parameters_that_share_memory_already_and_a_dtype_or_dev
     assert inproc_job(1, 1).run_workers(body) == [[2, 2, 1, True]]
 
 
+@pytest.mark.parametrize("uok", [None, False])
+def test_states_of_flat_keys_loaded_into_a_key_per_parameter_say_so(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, uok: Any) -> None:
+    def body(kv: KVStore, flat: bool) -> str:
+        monkeypatch.setattr("pskv.trainer.FLAT_KEYS", flat)
+        net = nn.Linear(3, 2)
+        tr = pskv.Trainer(net.parameters(), "sgd", {"momentum": 0.9}, kvstore=kv, update_on_kvstore=uok, overlap=True)
+        net(torch.ones(3)).sum().backward()
+        tr.step(1)
+        if flat:
+            tr.save_states(tmp_path / "flat")
+            return "saved"
+        with pytest.raises(pskv.OptimizerError, match=r"store keys are one per parameter; states saved with runs of parameters \(flat keys\)"):
+            tr.load_states(tmp_path / "flat")
+        return "said"
+
+    assert [inproc_job(1, 1).run_workers(lambda kv, f=flat: body(kv, f)) for flat in (True, False)] == [["saved"], ["said"]]
+
+
 def test_flat_keys_refuse_row_sparse_gradients_and_replaced_parameters(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pskv.trainer.FLAT_KEYS", True)
 
