@@ -44,9 +44,9 @@ def create_dist(name: str) -> KVStore:
     return store
 
 
-def _close(client: WorkerClient) -> None:
-    # what this process dies of: Python sets it for an uncaught exception (a prompt: for any error it shows)
-    exc = None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)
+def _close(client: WorkerClient, leaving: list[BaseException]) -> None:
+    # what this process dies of: what left the store's with block, or Python's record of an uncaught exception (a prompt's: of any error)
+    exc = leaving[0] if leaving else None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)
     try:
         client.close(traceback.format_exception_only(exc)[-1].strip()[:2000] if exc is not None else None)
     except Exception as exc:  # exiting anyway; say why the job may see this worker as failed
@@ -61,7 +61,8 @@ class DistStore(KVStore):
         self._async = type_name == "dist_async"
         self._client = WorkerClient(env)
         # a store that is dropped, or alive at exit, is closed: the job learns this worker is done
-        self._closer = weakref.finalize(self, _close, self._client)
+        self._leaving: list[BaseException] = []  # what left its with block, if anything did
+        self._closer = weakref.finalize(self, _close, self._client, self._leaving)
         try:
             self._client.start()
         except BaseException:
@@ -424,3 +425,7 @@ class DistStore(KVStore):
 
     def _close_impl(self) -> None:
         self._closer()
+
+    def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
+        self._leaving += [exc] if exc is not None else []
+        self.close()

@@ -166,10 +166,17 @@ def test_a_worker_dying_of_an_uncaught_exception_failed_it_did_not_finish(tmp_pa
     assert "finished" not in outs["worker 0"][1], outs
 
 
-def test_min_workers_the_job_goes_on_without_a_worker_that_raised(tmp_path: Path) -> None:
+@pytest.mark.parametrize("within", [False, True], ids=["store closed at exit", "store closed by its with block"])
+def test_min_workers_the_job_goes_on_without_a_worker_that_raised(tmp_path: Path, within: bool) -> None:
     """SPEC "Going on without a worker": a worker that exited with an error (here an uncaught
-    KeyboardInterrupt) is lost, not finished; with ``--min-workers 1`` the other goes on alone."""
-    res = launch(tmp_path, CRASH.format("KeyboardInterrupt"), 2, 1, launch_args=["--min-workers", "1"], timeout=120)
+    KeyboardInterrupt) is lost, not finished; with ``--min-workers 1`` the other goes on alone. Also
+    when the exception closed the store on its way out of ``with pskv.kv.create(...) as kv:``."""
+    script = CRASH.format("KeyboardInterrupt")
+    if within:  # the lines after the store's creation in its with block
+        lines = script.splitlines()
+        k = next(i for i, line in enumerate(lines) if "pskv.kv.create" in line)
+        script = "\n".join([*lines[:k], 'with pskv.kv.create("dist_sync") as kv:', *("    " + line for line in lines[k + 1 :])])
+    res = launch(tmp_path, script, 2, 1, launch_args=["--min-workers", "1"], timeout=120)
     assert res.code == 0 and "seen [2.0, 2.0, 1.0, 1.0, 1.0]" in res.stdout, res
     assert "worker 1 (host" in res.stderr and "failed: it exited with an uncaught KeyboardInterrupt" in res.stderr, res
 
