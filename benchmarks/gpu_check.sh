@@ -11,8 +11,9 @@
 # runs it with five other settings of PSKV_CHUNK_BYTES and PSKV_WINDOW_BYTES (one run takes a minute).
 # Seen on an H200 (16 cores; RESULTS.md section 24): step about 70 s for its 8 rows (REPEAT=3: the rows in turn three
 # times, about 200 s, as one row varies 20 % and more between runs), tests 15 s, cluster about 60 s; sweep (not run there
-# yet) about 150 s by its five extra pskv runs.
-# A lease is 15 minutes with about a minute to start: PARTS="step tests sweep" REPEAT=2 fits one call.
+# yet) about 150 s by its five extra pskv runs. Since section 27 step has 10 rows (flat keys and a key per parameter:
+# about 90 s a repeat); flat (not run there yet) should take under a minute.
+# A lease is 15 minutes with about a minute to start: PARTS="step tests flat sweep" REPEAT=2 should fit one call (~8 min).
 # The device image has no iproute2: carry this machine's ip and tc in .ipr/ (git-ignored), made here with
 #   mkdir -p .ipr/bin .ipr/lib && cp /usr/sbin/ip /usr/sbin/tc .ipr/bin/ && ldd /usr/sbin/ip /usr/sbin/tc | awk '/=>/{print $3}' | grep -v -e libc.so -e libm.so | sort -u | xargs -I{} cp -L {} .ipr/lib/
 export PYTHONUNBUFFERED=1
