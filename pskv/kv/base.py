@@ -163,9 +163,6 @@ class KVStore:
             if t.dtype != meta.dtype:
                 raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
 
-    def _pushed(self, key: KeyArg, value: Any) -> list[Group]:
-        return self._finite(self._grouped(key, value, "pushed value"))
-
     def _finite(self, groups: list[Group]) -> list[Group]:
         """A push's groups; with 1bit compression, NaN or Inf in any key is an error before any goes."""
         comp = self._compressor
@@ -209,7 +206,7 @@ class KVStore:
         """Push ``value`` (a tensor or a list of per-device tensors, summed) to ``key`` (docs/SPEC.md,
         section 2). ``wait=False`` returns a :class:`~pskv.ps.tracker.Handle`; a push that fails makes
         the next call fail. ``_held``, ``_rescale`` (its update's, not the optimizer's): for the Trainer (docs/DESIGN.md, "Held rounds")."""
-        handle = self._push_impl(self._pushed(key, value), _priority(priority), wait, _held, _rescale)
+        handle = self._push_impl(self._finite(self._grouped(key, value, "pushed value")), _priority(priority), wait, _held, _rescale)
         return None if wait else handle or Handle()
 
     @_locked
@@ -259,7 +256,7 @@ class KVStore:
         """``push(key, value)`` then ``pull(key, out)``; with ``out=None`` the result goes into
         ``value``. ``wait=False``: both are sent without waiting; the handle is the pull's."""
         target = value if out is None else out
-        groups = self._pushed(key, value)
+        groups = self._finite(self._grouped(key, value, "pushed value"))
         outs = self._grouped(key, target, "out")  # check outputs before pushing
         for meta, os in outs:
             if meta.row_sparse or any(o.is_sparse for o in os):  # (it pushed, then failed or skipped the pull)
