@@ -66,10 +66,8 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
 
 
 def _flatten(keys: list[Key], reps: list[list[Tensor]]) -> tuple[list[Key], list[list[Tensor]], list[list[int]], dict[int, tuple[Tensor, Tensor]]]:
-    """Runs of about ``RUN_BYTES`` of parameters of one dtype and device as one flat tensor per replica, each a store key named
-    by its first parameter's: the parameters become views of it, and their gradients views of its ``grad``
-    (:meth:`Trainer._gathered`), as DDP's ``gradient_as_bucket_view``. Also: each run's parameter indexes, and
-    each parameter's weight and gradient views (by its id)."""
+    """The runs of parameters as flat tensors (docs/DESIGN.md, "Flat keys"; gradients: :meth:`Trainer._gathered`): the runs'
+    store keys, their flat tensors per replica, each run's parameter indexes, and each parameter's weight and gradient views (by its id)."""
     runs: list[list[int]] = []
     for i, t in enumerate(reps[0]):
         first = reps[0][runs[-1][0]] if runs else t
