@@ -45,10 +45,8 @@ class _Distributed:
         return loss
 
     def synchronize(self) -> None:
-        """Sum this step's gradients over the workers now (those sent during backward are waited for),
-        and average them unless ``op="sum"``: every worker's ``.grad`` holds the same values. A parameter
-        no worker has a gradient for keeps none (the optimizer leaves it, as with DDP). With overlap it
-        runs when backward ends, so the gradients are the sums there, as with DDP; once per step."""
+        """Sum this step's gradients over the workers now (those sent during backward are waited for), and average them
+        unless ``op="sum"``: every worker's ``.grad`` holds the same values; once per step (when and what else: docs/PYTORCH.md)."""
         if self._pskv_synced:
             return
         if late := [i for i, p in enumerate(self._pskv_params) if p.grad is not None and id(p) in self._pskv_frozen]:
