@@ -65,15 +65,20 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
     return keys[0], tensors
 
 
+def _runs(ts: Sequence[Tensor], alike: Callable[[Tensor], Any] = lambda t: None) -> list[list[int]]:
+    """Indexes of ``ts`` in runs of about ``RUN_BYTES``, in order; one unlike its run's first (``alike``) starts another."""
+    runs: list[list[int]] = []
+    for i, t in enumerate(ts):
+        if not runs or alike(t) != alike(ts[runs[-1][0]]) or sum(ts[j].nbytes for j in runs[-1]) >= RUN_BYTES:
+            runs.append([])
+        runs[-1].append(i)
+    return runs
+
+
 def _flatten(keys: list[Key], reps: list[list[Tensor]]) -> tuple[list[Key], list[list[Tensor]], list[list[int]], dict[int, tuple[Tensor, Tensor]]]:
     """The runs of parameters as flat tensors (docs/DESIGN.md, "Flat keys"; gradients: :meth:`Trainer._gathered`): the runs'
     store keys, their flat tensors per replica, each run's parameter indexes, and each parameter's weight and gradient views (by its id)."""
-    runs: list[list[int]] = []
-    for i, t in enumerate(reps[0]):
-        first = reps[0][runs[-1][0]] if runs else t
-        if not runs or (t.dtype, t.device) != (first.dtype, first.device) or sum(reps[0][j].nbytes for j in runs[-1]) >= RUN_BYTES:
-            runs.append([])
-        runs[-1].append(i)
+    runs = _runs(reps[0], lambda t: (t.dtype, t.device))
     flats: list[list[Tensor]] = []
     views: dict[int, tuple[Tensor, Tensor]] = {}
     for rep in reps:
@@ -224,12 +229,8 @@ class Trainer:
     def _arm(self) -> None:
         """The overlap's hooks (docs/DESIGN.md, "Overlap in the Trainer"): gradients leave in pushes of about
         ``RUN_BYTES``, and a module's forward waits for the run of ``step``'s pulls that holds its parameters."""
-        self._sizes = [t.numel() * t.element_size() for t in self._reps[0]]
-        self._runs: list[list[int]] = [[]]
-        for i in range(len(self._sizes)):
-            if sum(self._sizes[j] for j in self._runs[-1]) >= RUN_BYTES:
-                self._runs.append([])
-            self._runs[-1].append(i)
+        self._sizes = [t.nbytes for t in self._reps[0]]
+        self._runs = _runs(self._reps[0])
         where = self._where = {id(rep[j]): i for rep in self._params for i, run in enumerate(self._members) for j in run}
         reads = self._first_reads = _FirstReads(where)
         me = weakref.ref(self)  # the hooks must not keep the Trainer alive: they go when it does
