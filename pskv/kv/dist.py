@@ -285,7 +285,8 @@ class DistStore(KVStore):
     def _sinks(self, items: list[Group]) -> tuple[Handle, list[Tensor]]:
         """A handle for pulling ``items``, and per key where its parts' answers go: the first output when
         it is contiguous on the CPU or a GPU (:meth:`_sink`), else a new buffer; the handle's wait copies to the rest."""
-        copies: list[tuple[Tensor, list[Tensor]]] = []
+        bufs: list[Tensor] = []
+        copies: list[tuple[Tensor, list[Tensor]]] = []  # (buffer, the outputs it is copied to)
         def finish() -> None:  # in the caller's thread, once every part has arrived
             with torch.no_grad():  # a handle's wait may run where autograd records (the Trainer's forward pre-hook)
                 if handle.staged:
@@ -300,15 +301,21 @@ class DistStore(KVStore):
             first = outs[0]
             sparse = first.is_sparse or any(o.is_sparse for o in outs[1:])
             if not sparse and first.device.type in ("cpu", "cuda") and first.is_contiguous():
-                copies.append((first, outs[1:]))
+                bufs.append(first)
+                if len(outs) > 1:
+                    copies.append((first, outs[1:]))
                 if first.is_cuda and first.device not in gpus:  # its copies wait for what the caller's stream has queued (may read it)
                     self._stream(first.device, False).wait_stream(torch.cuda.current_stream(first.device))
                     self._client.shared.pin_peers()
                     gpus.add(first.device)
             else:  # a row-sparse out: each row, and a last column saying whether it is present (PULL's rows 2)
-                copies.append((torch.empty((meta.numel // meta.row_numel, meta.row_numel + 1) if sparse else meta.shape, dtype=meta.dtype), outs))
-        handle = self._client.handle(finish)  # (finish reads it: its staged answers)
-        return handle, [buf for buf, _ in copies]
+                bufs.append(torch.empty((meta.numel // meta.row_numel, meta.row_numel + 1) if sparse else meta.shape, dtype=meta.dtype))
+                copies.append((bufs[-1], outs))
+        # (finish reads the handle: its staged answers); nothing to finish: no finish, fewer objects alive per call in flight
+        handle = self._client.handle(finish if copies or gpus else None)
+        if gpus:
+            handle.staged = []
+        return handle, bufs
 
     def _sink(self, handle: Handle, meta: KeyMeta, buf: Tensor, p: Part) -> Sink:
         """Where part ``p`` of a pull into ``buf`` goes: its piece of ``buf``; on a GPU, the answer is staged where it
@@ -316,7 +323,7 @@ class DistStore(KVStore):
         piece = self._piece(meta, buf, p) if buf.shape == meta.shape else buf[p.start // meta.row_numel : p.stop // meta.row_numel]
         if not piece.is_cuda:
             return piece
-        return lambda src: handle.staged.append((piece, src.view(piece.shape)))
+        return lambda src: handle.staged.append((piece, src.view(piece.shape)))  # type: ignore[union-attr]  # (a list: _sinks)
 
     def _copy_in(self, handle: Handle) -> None:
         """Copy a pull's staged answers to their GPU pieces, one call per GPU, and make the caller's
@@ -325,7 +332,7 @@ class DistStore(KVStore):
         for device in {piece.device for piece, _ in staged}:
             pairs = [(piece, src) for piece, src in staged if piece.device == device]
             copied = self._copy(device, False, [piece for piece, _ in pairs], [src for _, src in pairs])
-            handle.copies.append((copied, device))
+            handle.copies = [*handle.copies, (copied, device)]
             copied.wait(torch.cuda.current_stream(device))  # (that GPU's stream: an output on another than the current one)
 
     def _pull_impl(self, items: list[Group], priority: int, wait: bool, rescale: Optional[float]) -> Optional[Handle]:

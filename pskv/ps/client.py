@@ -279,7 +279,7 @@ class WorkerClient(Node):
         if waiter is not None:  # (zmq never lets go of the bytes for a lost server: nothing to wait for)
             sent = lambda t: server in self.lost_servers or waiter(t)  # noqa: E731
             for handle in {id(q.entry[0]): q.entry[0] for q in batch}.values():
-                handle.sent.append(sent)
+                handle.sent = [*handle.sent, sent]
         return waiter
 
     def _transmit(self, peer: str, msg: Message, req: Request, track: bool = False) -> Optional[Sent]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -28,16 +28,19 @@ class Handle:
     part of it is done and raises its error; :meth:`done` says whether it is. Thread-safe.
     ``h = kv.pull(key, out, wait=False); ...; h.wait()``: then ``out`` holds the value."""
 
+    __slots__ = ("_done", "_finish", "_flush", "_left", "_tracker", "copies", "error", "sent", "staged")  # (thousands may be in flight)
+
     def __init__(self, tracker: Optional[Tracker] = None, finish: Optional[Callable[[], None]] = None, flush: Optional[Callable[[], Any]] = None):
         self._tracker = tracker
-        self._finish = [finish] if finish is not None else []  # runs once, in a caller's thread, when a wait succeeds
+        self._finish = [finish] if finish is not None else ()  # runs once, in a caller's thread, when a wait succeeds
         self._flush = flush  # sends what is still queued, so that waiting for it makes sense
         self._left = 0
         self._done = tracker is None
         self.error: Optional[BaseException] = None
-        self.sent: list[Callable[[float], bool]] = []  # waits for zmq to be done with this call's pushed bytes
-        self.copies: list[tuple[Any, Any]] = []  # (CUDA event, GPU) of its answers' copies: the caller's stream there waits
-        self.staged: list[tuple[Any, Any]] = []  # (GPU piece, answer): copied together by the first wait
+        # (empty tuples until used, replaced, not appended to: fewer objects alive per call, for Python's GC to walk)
+        self.sent: Sequence[Callable[[float], bool]] = ()  # waits for zmq to be done with this call's pushed bytes
+        self.copies: Sequence[tuple[Any, Any]] = ()  # (CUDA event, GPU) of its answers' copies: the caller's stream there waits
+        self.staged: Union[list[tuple[Any, Any]], tuple[()]] = ()  # (GPU piece, answer): copied together by the first wait
 
     @property
     def finished(self) -> bool:
@@ -70,11 +73,12 @@ class Handle:
             _raise(self.error)
         for copied, device in self.copies:
             copied.wait(torch.cuda.current_stream(device))
-        try:  # (pop: two threads may wait for one call)
-            finish = self._finish.pop()
-        except IndexError:
-            return
-        finish()
+        if self._finish:
+            try:  # (pop: two threads may wait for one call)
+                finish = self._finish.pop()
+            except IndexError:
+                return
+            finish()
 
     def _settle(self, error: Optional[BaseException] = None) -> None:
         self.error = self.error or error
