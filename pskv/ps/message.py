@@ -15,7 +15,7 @@ import enum
 import json
 import struct
 from collections import namedtuple
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
@@ -77,13 +77,14 @@ class Layout:
             flat.extend(row)
         return flat.tobytes()
 
-    def unpack(self, frame: Buffer) -> list[Any]:
-        """The rows of ``frame``; :class:`ProtocolError` unless it is ``n x width`` int64."""
+    def unpack(self, frame: Buffer) -> Iterator[Any]:
+        """The rows of ``frame``, one at a time (thousands of them alive at once would make Python's GC walk
+        them); :class:`ProtocolError` at once unless it is ``n x width`` int64."""
         buf = _buf(frame)
         if buf.nbytes % (8 * self.width):
             raise ProtocolError(f"a {self.name} table of {buf.nbytes} bytes is not rows of {self.width} int64")
         values = array.array("q", buf.tobytes())
-        return [self._make(values[i : i + self.width]) for i in range(0, len(values), self.width)]
+        return (self._make(values[i : i + self.width]) for i in range(0, len(values), self.width))
 
 
 class PushKind(enum.IntEnum):

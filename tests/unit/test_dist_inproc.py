@@ -81,7 +81,7 @@ def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.Monkey
 
         def counting(peer: str, msg: Message, track: bool = False) -> Any:
             if msg.type == Type.PUSH:
-                sends.append(len(PUSH.unpack(msg.frames[0])))  # rows in its PUSH table
+                sends.append(len(list(PUSH.unpack(msg.frames[0]))))  # rows in its PUSH table
             return real(peer, msg, track)
 
         van.send = counting
