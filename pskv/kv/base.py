@@ -112,8 +112,8 @@ class KVStore:
 
     def _check_key(self, key: object, kind: Optional[builtins.type] = None) -> Key:
         kind = kind or self._key_kind
-        if type(key) is not int and isinstance(key, numbers.Integral) and not isinstance(key, bool):
-            key = int(key)  # (numpy's integers: the ABC check costs more than the rest of the call's checks)
+        if type(key) is not int and isinstance(key, numbers.Integral) and not isinstance(key, bool):  # (an int skips the costly ABC check)
+            key = int(key)  # numpy's integers and the like
         if type(key) is int:
             if not 0 <= key < 2**62:
                 raise errors.KeyTypeError(f"int keys must be in [0, 2**62), got {key}")
