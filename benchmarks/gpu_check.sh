@@ -9,10 +9,9 @@
 # benchmarks/cluster_1gbit.py (4 + 4 hosts in network namespaces, 1 Gbit links) where root can make them: a
 # device machine's cores are the first on which its hosts do not share two cores (RESULTS.md section 10); `sweep`
 # runs it with five other settings of PSKV_CHUNK_BYTES and PSKV_WINDOW_BYTES (one run takes a minute).
-# Seen on an H200 (16 cores; RESULTS.md section 24): step about 70 s for its 8 rows (REPEAT=3: the rows in turn three
-# times, about 200 s, as one row varies 20 % and more between runs), tests 15 s, cluster about 60 s; sweep (not run there
-# yet) about 150 s by its five extra pskv runs. Since section 27 step has 10 rows (flat keys and a key per parameter:
-# about 90 s a repeat); flat (not run there yet) should take under a minute.
+# Seen on an H200 (16 cores; RESULTS.md sections 24 and 29): step about 90 s for its 10 rows (REPEAT=3: the rows in turn
+# three times, about 270 s, as one row varies 20 % and more between runs), tests 15 s, flat about 40 s, cluster about 60 s;
+# sweep about 150 s by its five extra pskv runs (section 29 ran its first two as --try rows: about 50 s with the defaults' row).
 # A lease is 15 minutes with about a minute to start: PARTS="step tests flat sweep" REPEAT=2 should fit one call (~8 min).
 # The device image has no iproute2: carry this machine's ip and tc in .ipr/ (git-ignored), made here with
 #   mkdir -p .ipr/bin .ipr/lib && cp /usr/sbin/ip /usr/sbin/tc .ipr/bin/ && ldd /usr/sbin/ip /usr/sbin/tc | awk '/=>/{print $3}' | grep -v -e libc.so -e libm.so | sort -u | xargs -I{} cp -L {} .ipr/lib/
