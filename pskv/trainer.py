@@ -311,6 +311,8 @@ class Trainer:
     def _backward_end(self) -> None:
         self._queued = False
         self._send_bucket()
+        if self._overlap and self._kv is not None:  # the first layers' gradients, needed first: not batched with step's pulls
+            self._kv._hurry()
         if self._after_backward is not None:  # (a DistributedOptimizer: the sums, as DDP has them then)
             self._after_backward()
 
@@ -459,6 +461,8 @@ class Trainer:
             for run in self._runs:
                 handle = self._kv._checked(None, [(self._metas[i], [rep[i] for rep in self._reps]) for i in run], -run[0], rescale=rescale)
                 self._inflight.update(dict.fromkeys(run, handle))
+                if run is self._runs[0]:  # the next forward's first wait: its pull leaves now, while the rest are queued
+                    self._kv._hurry()
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
         self._optimizer.num_update = max(self._optimizer.num_update, (self._steps + 1) * self._pace)  # (dist_async: workers at one pace)

@@ -421,6 +421,9 @@ class KVStore:
     def _set_compression_impl(self, compressor: Compressor) -> None:
         """Called after ``self._compressor`` is set; the dist client tells the servers."""
 
+    def _hurry(self) -> None:
+        """What calls without waiting queued leaves now, not with the next batch (the Trainer's first layers); here nothing queues."""
+
     def _optimizer_state(self) -> dict[str, Any]:
         if self._optimizer is None:
             raise errors.OptimizerError("no optimizer is set on this store; call set_optimizer first")

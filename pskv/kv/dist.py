@@ -426,6 +426,9 @@ class DistStore(KVStore):
     def _set_compression_impl(self, compressor: Compressor) -> None:
         self._client.push_meta["codec"] = compressor.codec.describe()
 
+    def _hurry(self) -> None:
+        self._client.hurry()
+
     def _barrier_impl(self, *value: Any) -> list[Any]:
         self._client.check()
         return self._client.barrier("worker", *value)

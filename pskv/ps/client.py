@@ -192,10 +192,14 @@ class WorkerClient(Node):
                 self._pending_bytes[s] = self._pending_bytes.get(s, 0) + nbytes
             full = self._pending_bytes.get(server, 0) >= self._batch_bytes
         if full and ready is not None:  # the I/O thread waits for the GPU's copy, not the caller (backward)
-            self._first_queued = -math.inf  # due now
-            self.van.wake()
+            self.hurry()
         elif full:
             self.flush([server])
+
+    def hurry(self) -> None:
+        """The rows queued so far leave now, from the I/O thread (which waits for their GPU copies, not the caller)."""
+        self._first_queued = -math.inf  # due now
+        self.van.wake()
 
     def flush(self, servers: Optional[Sequence[int]] = None, soon: bool = False) -> None:
         """Send the queued rows of ``servers`` (all by default): PUSH, then PULL messages, the highest priority first;

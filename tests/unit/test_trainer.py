@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -13,6 +14,7 @@ from torch import nn
 
 import pskv
 from pskv.kv import KVStore
+from pskv.ps.message import Type
 from pskv.trainer import RUN_BYTES
 
 Job = Callable[..., Any]
@@ -660,6 +662,38 @@ def test_overlap_gives_the_numbers_of_the_plain_path(inproc_job: Job, monkeypatc
             assert torch.equal(a, b), (a - b).abs().max()
     for a, b in zip(overlapped[0], overlapped[1]):
         assert torch.equal(a, b), "the workers' weights differ"
+
+
+def test_overlap_sends_the_first_layers_at_once(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What backward pushes last (the first layers) and step's pull of the first run leave at once, not with
+    the I/O thread's next batch of rows (made 600 s late here): nothing waits for them, yet they are sent.
+    The weights are then SPEC's (w - lr * g / batch_size, one worker)."""
+    monkeypatch.setattr("pskv.ps.client.FLUSH_DELAY", 600.0)
+    monkeypatch.setattr("pskv.ps.client.FLUSH_IDLE", 600.0)
+    monkeypatch.setattr("pskv.trainer.RUN_BYTES", 64)  # runs: [first weight], [the rest]
+    with inproc_job(1, 1).worker() as kv:
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv, overlap=True)
+        client, first = kv._client, tr._metas[0].id  # type: ignore[attr-defined]
+
+        def sent(kind: Type, key: int) -> bool:
+            until = time.monotonic() + 10
+            while time.monotonic() < until:
+                with client._lock:
+                    if all(q.row[0] != key for (_, k), rows in client._pending.items() if k == kind for q in rows):
+                        return True
+                time.sleep(0.01)
+            return False
+
+        before = [p.detach().clone() for p in net.parameters()]
+        net(torch.ones(2, 4)).sum().backward()
+        assert sent(Type.PUSH, first), "the first layer's gradient waited for the I/O thread's batch"
+        grads = [p.grad.clone() for p in net.parameters()]  # type: ignore[union-attr]
+        tr.step(2)
+        assert sent(Type.PULL, first), "step's pull of the first run waited for the I/O thread's batch"
+        tr.synchronize()
+        for w, b, g in zip(net.parameters(), before, grads):
+            assert torch.allclose(w, b - 0.1 * g / 2)
 
 
 @pytest.mark.parametrize(("uok", "accumulate", "set_to_none"), [(None, 1, True), (False, 1, True), (None, 2, False)])
