@@ -286,13 +286,12 @@ class Rounds:
             if early is not None and updated >= ANSWER_BYTES:
                 early(out)
                 out, updated = [], 0
-            if e.rescale is not None and p.held is not None and e.round == p.rounds + 1 and self.optimizer is not None:
-                held, p.held, p.rescale = p.held, None, (e.round, e.rescale)  # the held round's update, with the rescale this pull brings
-                out += self._apply(p, held, e.rescale)
-                out += self._complete(p)
-                updated += p.nbytes
-            elif e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
-                p.rescale = (e.round, e.rescale)  # for when the round merges (its last push may never pull)
+            if e.rescale is not None and e.round == p.rounds + 1 and self.optimizer is not None:
+                held, p.held, p.rescale = p.held, None, (e.round, e.rescale)  # (kept for when the round merges: its last push may never pull)
+                if held is not None:  # the held round's update, with the rescale this pull brings
+                    out += self._apply(p, held, e.rescale)
+                    out += self._complete(p)
+                    updated += p.nbytes
             w = Answer(req, i, e.round, e.rows, present=e.present)
             if e.mirror:
                 out.append(w)
