@@ -161,10 +161,9 @@ class Scheduler:
     def _start(self) -> None:
         for role in ("server", "worker"):
             nodes = [n for n in self.nodes.values() if n.role == role]  # registration order
-            taken = {n.meta["id"] for n in nodes if n.meta.get("id") is not None}
-            free = iter(r for r in range(len(nodes)) if r not in taken)
-            for n in nodes:
-                n.rank = n.meta["id"] if n.meta.get("id") is not None else next(free)
+            free = iter(sorted(set(range(len(nodes))) - {n.rank for n in nodes}))  # (a node that asked for an id has it as its rank)
+            for n in [n for n in nodes if n.rank < 0]:
+                n.rank = next(free)
         self.started = True
         self._tell("started")  # first: pskv launch knows before a worker can have finished (ProcessContext.wait)
         for n in self.nodes.values():
