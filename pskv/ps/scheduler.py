@@ -214,8 +214,9 @@ class Scheduler:
 
     def _release(self, group: str) -> None:
         members, bar = self._members(group), self.barriers[group]
-        ready = all(n.peer in bar.waiting for n in members)
-        if ready and self.admits and group != "server" and all("value" in (bar.waiting[n.peer].meta or {}) for n in members):
+        if not all(n.peer in bar.waiting for n in members):
+            return
+        if self.admits and group != "server" and all("value" in (bar.waiting[n.peer].meta or {}) for n in members):
             # an allgather admits the workers waiting to rejoin; first, the servers count them in
             live = {n.peer for n in self._members("server")}
             if self.acks is None:
@@ -228,13 +229,12 @@ class Scheduler:
                 self.nodes[peer].joining, bar.waiting[peer] = False, req
             self.admits, self.acks = {}, None
             members = self._members(group)
-        if ready:
-            del self.barriers[group]
-            # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
-            values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
-            meta = {"values": values} if any("value" in (bar.waiting[n.peer].meta or {}) for n in members) else None
-            for n in members:
-                self.van.post(n.peer, bar.waiting[n.peer].reply(Type.OK, meta=meta))
+        del self.barriers[group]
+        # a barrier may carry a small JSON value per node: everyone gets all of them, by rank
+        values = [(bar.waiting[n.peer].meta or {}).get("value") for n in members]
+        meta = {"values": values} if any("value" in (bar.waiting[n.peer].meta or {}) for n in members) else None
+        for n in members:
+            self.van.post(n.peer, bar.waiting[n.peer].reply(Type.OK, meta=meta))
 
     def _fail_barrier(self, group: str, exc: Exception) -> None:
         bar = self.barriers.pop(group)
