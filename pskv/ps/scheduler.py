@@ -239,7 +239,7 @@ class Scheduler:
     def _fail_barrier(self, group: str, exc: Exception) -> None:
         bar = self.barriers.pop(group)
         for peer, req in bar.waiting.items():
-            self.van.post(self.nodes[peer].peer, error_reply(req, exc))
+            self.van.post(peer, error_reply(req, exc))
 
     def _check_barriers(self, now: float) -> None:
         for group, bar in list(self.barriers.items()):
