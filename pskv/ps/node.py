@@ -23,11 +23,9 @@ _LOOPBACK = ("127.", "localhost", "::1")
 _LAUNCH = "start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`"
 
 
-def _int(environ: Mapping[str, str], name: str, low: int, required: bool = True) -> Optional[int]:
+def _int(environ: Mapping[str, str], name: str, low: int) -> int:
     if not (raw := environ.get(name, "").strip()):
-        if required:
-            raise ClusterError(f"{name} is not set: a dist store needs the job's environment ({_LAUNCH})")
-        return None
+        raise ClusterError(f"{name} is not set: a dist store needs the job's environment ({_LAUNCH})")
     try:
         value = int(raw)
     except ValueError:
@@ -66,8 +64,7 @@ class JobEnv:
                                "one; launch with -s 1 or more, or use a local or device store")
         port = 0 if uri.startswith("inproc://") else _int(env, "DMLC_PS_ROOT_PORT", 0)
         workers, servers = _int(env, "DMLC_NUM_WORKER", 1), _int(env, "DMLC_NUM_SERVER", 0)
-        wid, sid = _int(env, "DMLC_WORKER_ID", 0, required=False), _int(env, "DMLC_SERVER_ID", 0, required=False)
-        assert port is not None and workers is not None and servers is not None
+        wid, sid = (_int(env, name, 0) if env.get(name, "").strip() else None for name in ("DMLC_WORKER_ID", "DMLC_SERVER_ID"))
         if port > 65535 or (port == 0 and role != "scheduler" and not uri.startswith("inproc://")):  # (0: the launcher's scheduler picks one)
             raise ClusterError(f"DMLC_PS_ROOT_PORT={port} is not a port to reach the scheduler at (1 to 65535)")
         try:  # (a name that does not resolve waited PSKV_START_TIMEOUT for the scheduler)
