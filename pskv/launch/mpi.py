@@ -37,21 +37,19 @@ class Mpi(Backend):
             with os.fdopen(fd, "w") as f:
                 f.write(self.hostfile_text())
 
-    def runs(self, role: str) -> list[tuple[Optional[str], int]]:
-        """The role's processes in rank order, as (host, count) runs of consecutive processes on
-        one host; one run without a host when mpirun places them."""
-        n = self.spec.count(role)
-        if not self.spec.hosts:
-            return [(None, n)]
-        return [(name, len(list(group))) for name, group in itertools.groupby(h.name for h in place(n, self.spec.hosts))]
+    def runs(self, role: str) -> list[tuple[str, int]]:
+        """The role's processes in rank order, as (host, count) runs of consecutive processes on one host."""
+        placed = place(self.spec.count(role), self.spec.hosts)
+        return [(name, len(list(group))) for name, group in itertools.groupby(h.name for h in placed)]
 
     def hostfile_text(self) -> str:
         return "".join(f"{host}:{n}\n" for role in self.spec.roles() for host, n in self.runs(role))
 
     def processes(self, port: Optional[int]) -> list[Planned]:
         spec, mpich = self.spec, self.mpich
+        by_host = bool(spec.hosts) and not mpich  # Open MPI: --host for each run (MPICH reads them from -f)
         # --oversubscribe: the placement below is the launcher's; slots are weights
-        argv = [self.mpirun, *(["--oversubscribe"] if spec.hosts and not mpich else []), *spec.launcher_args]
+        argv = [self.mpirun, *(["--oversubscribe"] if by_host else []), *spec.launcher_args]
         argv += ["-f", self.hostfile] if self.hostfile else []
         if spec.sync_dst_dir:
             argv += ["-wdir" if mpich else "--wdir", spec.sync_dst_dir]
@@ -64,7 +62,7 @@ class Mpi(Backend):
             offset = spec.num_servers if role == "worker" else 0  # MPI numbers the workers after the servers
             rank = ["--rank-from", RANK_VARS, *(["--rank-offset", str(offset)] if offset else [])]
             guarded = spec.guarded(role, *rank, "--prefix", f"{role} {{rank}}", *(["--say-finished"] if role == "worker" else []))
-            for host, n in [(None, spec.count(role))] if mpich else self.runs(role):
+            for host, n in self.runs(role) if by_host else [("", spec.count(role))]:  # "": mpirun places them
                 where = ["--host", host] if host else []
                 argv += [*sep, "-n" if mpich else "-np", str(n), *where, *env_args, *guarded]
                 sep = [":"]
