@@ -16,14 +16,6 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 ONE_PER_POD = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
-def _env_list(env: dict[str, str], pod_ip: str, secret: str) -> list[dict[str, Any]]:
-    """A container's ``env``, with variable ``pod_ip`` set to the pod's IP (downward API) and
-    ``PSKV_SECRET`` from the Kubernetes Secret ``secret``."""
-    out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k != pod_ip]
-    out.append({"name": "PSKV_SECRET", "valueFrom": {"secretKeyRef": {"name": secret, "key": "PSKV_SECRET"}}})
-    return [*out, {"name": pod_ip, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
-
-
 def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     """The Service and Jobs of the job, as JSON-ready dicts."""
     if not spec.image:
@@ -42,6 +34,13 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
     def meta(role: str) -> dict[str, Any]:
         return {"name": f"{name}-{role}", "labels": {**labels, "pskv/role": role}}
 
+    def env_list(env: dict[str, str], pod_ip: str) -> list[dict[str, Any]]:
+        """A container's ``env``, with variable ``pod_ip`` set to the pod's IP (downward API) and
+        ``PSKV_SECRET`` from the job's Kubernetes Secret."""
+        out: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in env.items() if k != pod_ip]
+        out.append({"name": "PSKV_SECRET", "valueFrom": {"secretKeyRef": {"name": meta("secret")["name"], "key": "PSKV_SECRET"}}})
+        return [*out, {"name": pod_ip, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+
     def job(role: str, count: int, container: dict[str, Any]) -> dict[str, Any]:
         body: dict[str, Any] = {"completions": count, "parallelism": count, "backoffLimit": 0}
         if role != "scheduler":
@@ -58,11 +57,11 @@ def manifests(spec: JobSpec) -> list[dict[str, Any]]:
         ports = [{"name": "scheduler", "port": spec.port, "targetPort": spec.port}]
         service = {"selector": {"pskv/job": name, "pskv/role": "scheduler"}, "ports": ports}
         items.append({"apiVersion": "v1", "kind": "Service", "metadata": meta("scheduler"), "spec": service})
-        env = _env_list(spec.process_env("scheduler", scheduler, spec.port), "DMLC_PS_ROOT_URI", f"{name}-secret")
+        env = env_list(spec.process_env("scheduler", scheduler, spec.port), "DMLC_PS_ROOT_URI")
         port = [{"containerPort": spec.port, "name": "scheduler"}]
         items.append(job("scheduler", 1, {"command": spec.argv("server"), "env": env, "ports": port}))
     for role in spec.roles():
-        env = _env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), "DMLC_NODE_HOST", f"{name}-secret")
+        env = env_list(spec.process_env(role, scheduler, spec.port, torch=ONE_PER_POD), "DMLC_NODE_HOST")
         command = spec.guarded(role, "--rank-from", RANK_VAR)
         items.append(job(role, spec.count(role), {"command": command, "env": env, **resources}))
     return items
