@@ -51,12 +51,12 @@ class Proc:
 
     name: str  # "scheduler", "worker 0", "mpirun", ...
     popen: subprocess.Popen[bytes]
+    again: Callable[[int], Proc]  # start it anew, its nth restart (--max-restarts)
     readers: list[threading.Thread] = field(default_factory=list)
     tail: list[str] = field(default_factory=list)  # its last lines, for the failure report
     failure: str = ""  # the first guard failure line among them
     peak_rss_mb: float = 0.0  # the largest resident size seen (Linux VmHWM), sampled while it runs
     state: str = ""  # as last sampled (Linux /proc): "T" is stopped (SIGSTOP)
-    again: Optional[Callable[[int], Proc]] = None  # start it anew, its nth restart (--max-restarts)
 
     @property
     def returncode(self) -> Optional[int]:
@@ -236,7 +236,7 @@ class ProcessContext:
         """Start the worker ``name`` the scheduler declared lost anew, if --max-restarts allows and it is a
         process of ours: it rejoins the running job (docs/SPEC.md, "A worker back in a lost one's place")."""
         proc = next((p for p in reversed(self.procs) if p.name == name), None)  # (mpirun, srun...: none)
-        if self.restarts < self.max_restarts and proc is not None and proc.again is not None:
+        if self.restarts < self.max_restarts and proc is not None:
             self._signal(proc.popen, signal.SIGKILL)  # stopped (SIGSTOP) or cut off: it is not coming back
             self.restarts += 1
             proc.again(self.restarts)
