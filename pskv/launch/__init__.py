@@ -23,10 +23,11 @@ _USED_BY: dict[str, tuple[str, tuple[str, ...]]] = {}
 
 def parse_env_specs(specs: Sequence[str]) -> dict[str, str]:
     """``NAME:VALUE`` sets NAME; a bare ``NAME`` passes this process's value of NAME."""
+    from .spec import ENV_NAME  # (the one rule for a name: the launchers' scripts check theirs with it too)
     out: dict[str, str] = {}
     for spec in specs:
         name, sep, value = spec.partition(":")
-        if not name or not name.replace("_", "a").isalnum() or name[0].isdigit():
+        if not ENV_NAME.fullmatch(name):
             raise LaunchError(f"--env {spec!r}: expected NAME or NAME:VALUE")
         if not sep:
             if name not in os.environ:

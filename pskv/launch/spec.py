@@ -27,7 +27,7 @@ NOT_FORWARDED = ("PSKV_PORT_FD", "PSKV_SSH")
 SET_HERE = {"DMLC_ROLE", "DMLC_PS_ROOT_URI", "DMLC_PS_ROOT_PORT", "DMLC_NUM_WORKER", "DMLC_NUM_SERVER",
             "DMLC_SERVER_ID", "DMLC_WORKER_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"}
 SERVE = [sys.executable, "-m", "pskv", "serve"]
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # a portable shell variable name: ASCII only
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ def free_port() -> int:
 
 def check_env_names(env: Mapping[str, str]) -> None:
     for k in env:
-        if not _NAME.fullmatch(k):
+        if not ENV_NAME.fullmatch(k):
             raise LaunchError(f"not an environment variable name: {k!r}")
 
 

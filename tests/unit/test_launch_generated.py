@@ -170,7 +170,7 @@ def test_env_specs_set_pass_or_are_rejected_by_name(monkeypatch: pytest.MonkeyPa
     }
     with pytest.raises(LaunchError, match="PSKV_TEST_UNSET is not set here"):
         parse_env_specs(["PSKV_TEST_UNSET"])
-    for bad in ("1ABC:x", "A-B:x", ":x", "A B", ""):
+    for bad in ("1ABC:x", "A-B:x", ":x", "A B", "", "\u00c9A:1", "A\u00b2"):  # (not ASCII: an ssh or sge job's script would refuse it)
         with pytest.raises(LaunchError, match="expected NAME or NAME:VALUE"):
             parse_env_specs([bad])
 
