@@ -188,31 +188,39 @@ class Van:
                     self._poller.unregister(sock)
                     out.append((self._pipes.pop(sock), PeerGone("its end of the lifeline closed")))
                 continue
-            if sock in self._monitors:  # connections that closed
-                out.extend(self._closed(sock))
-                continue
-            for _ in range(self.MAX_BATCH):
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                if sock is self._router:
-                    route = bytes(frames[0].buffer)
-                    if route not in self._fds and self._monitors:
-                        with contextlib.suppress(zmq.ZMQError):  # (EINVAL for some frames: the next one tells)
-                            fd = frames[1].get(zmq.SRCFD)  # (a connection that had it before is gone)
-                            self._fds = {r: f for r, f in self._fds.items() if f != fd} | {route: fd}
-                    if self.secret is not None and route not in self._peers:
-                        self._admit(route, frames[1:])
-                        continue
-                    peer = "client:" + route.hex()
-                    frames = frames[1:]
-                else:
-                    peer = self._names[sock]
-                try:
-                    out.append((peer, decode(frames)))
-                except ProtocolError as exc:
-                    out.append((peer, exc))
+            if sock in self._monitors:  # connections that closed: what they sent first comes first
+                gone = self._closed(sock)
+                out.extend(self._read(self._monitors[sock][0]) if gone else [])  # (a poll may see the end only)
+                out.extend(gone)
+            else:
+                out.extend(self._read(sock))
+        return out
+
+    def _read(self, sock: zmq.Socket[bytes]) -> list[Received]:
+        """What arrived on ``sock`` (up to ``MAX_BATCH`` messages), without waiting."""
+        out: list[Received] = []
+        for _ in range(self.MAX_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            if sock is self._router:
+                route = bytes(frames[0].buffer)
+                if route not in self._fds and self._monitors:
+                    with contextlib.suppress(zmq.ZMQError):  # (EINVAL for some frames: the next one tells)
+                        fd = frames[1].get(zmq.SRCFD)  # (a connection that had it before is gone)
+                        self._fds = {r: f for r, f in self._fds.items() if f != fd} | {route: fd}
+                if self.secret is not None and route not in self._peers:
+                    self._admit(route, frames[1:])
+                    continue
+                peer = "client:" + route.hex()
+                frames = frames[1:]
+            else:
+                peer = self._names[sock]
+            try:
+                out.append((peer, decode(frames)))
+            except ProtocolError as exc:
+                out.append((peer, exc))
         return out
 
     def _closed(self, monitor: zmq.Socket[bytes]) -> list[Received]:

@@ -94,3 +94,34 @@ def test_news_that_came_with_the_node_table_goes_to_the_caller() -> None:
     node.van = OneBatch()  # type: ignore[assignment]
     assert node.join(None) == [("scheduler", lost)]
     assert (node.rank, len(node.servers)) == (0, 2)
+
+
+def test_what_a_peer_sent_before_its_connection_closed_comes_before_its_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's last message (a lost worker's NODE_FAILED) and its connection's end are both there
+    when a poll sees only the end: the message was dropped for "the scheduler closed its connection"
+    (a worker stopped while it was declared lost got that error, not the one naming it)."""
+    import time
+
+    from pskv.ps.message import Message, Type
+    from pskv.ps.van import PeerGone, Van
+
+    monkeypatch.delenv("PSKV_SECRET", raising=False)
+    scheduler, worker = Van("scheduler"), Van("worker")
+    try:
+        worker.connect("scheduler", scheduler.listen("tcp://127.0.0.1:0"), watch=True)
+        worker.send("scheduler", Message(Type.HEARTBEAT))
+        until, got = time.monotonic() + 10, []
+        while not got and time.monotonic() < until:
+            got = scheduler.recv(0.1)
+        scheduler.send(got[0][0], Message(Type.NODE_FAILED, meta={"reason": "no heartbeat"}))
+        scheduler.close(linger=5.0)
+        monitor, (sock, _) = next(iter(worker._monitors.items()))
+        while not (monitor.poll(0) and sock.poll(0)) and time.monotonic() < until:
+            time.sleep(0.05)
+        assert monitor.poll(0) and sock.poll(0), "the message and the connection's end did not arrive in 10 s"
+        monkeypatch.setattr(worker._poller, "poll", lambda timeout: [(monitor, 1)])  # a poll that saw the end only
+        got = worker.recv(0)
+        assert [(peer, type(m).__name__) for peer, m in got] == [("scheduler", "Message"), ("scheduler", "PeerGone")], got
+        assert got[0][1].type == Type.NODE_FAILED and isinstance(got[1][1], PeerGone)
+    finally:
+        worker.close(linger=0)
