@@ -68,7 +68,7 @@ def finished_without(who: str, what: str) -> NodeFailedError:
     return NodeFailedError(f"{who} finished (closed its store) without {what}; it can never complete")
 
 
-def from_reply(meta: Any, context: str = "") -> PSKVError:
+def from_reply(meta: Any, context: str) -> PSKVError:
     """The exception an ERROR message's metadata carries, its text prefixed with ``context``: the class
     of this module its ``kind`` names (never evaluated), ``ClusterError`` if none."""
     meta = meta if isinstance(meta, dict) else {}

@@ -97,7 +97,7 @@ class Scheduler:
                 now = time.monotonic()
                 if not self.started and now > start_deadline:
                     self._fail_start()
-                self._check_heartbeats(now)  # (before the start only closed connections: nodes send heartbeats from REGISTER on)
+                self._check_heartbeats()  # (before the start only closed connections: nodes send heartbeats from REGISTER on)
                 if self.started:
                     self._check_barriers(now)
         finally:
@@ -275,9 +275,9 @@ class Scheduler:
             self._broadcast(Message(Type.SHUTDOWN), roles=("server",))
             self.status = 0
 
-    def _check_heartbeats(self, now: float) -> None:
+    def _check_heartbeats(self) -> None:
         for node in self.nodes.values():
-            silent = self.van.polled - node.last_seen  # not ``now``: what waits unread is not silence
+            silent = self.van.polled - node.last_seen  # (not the time now: what waits unread is not silence)
             if self.started and not node.finished and silent > self.hb_timeout:
                 heard = min(self.van.polled - n.last_seen for n in self.nodes.values() if not n.finished)  # from anyone
                 alone = f"; no node has been heard for {heard:.1f} s: is this scheduler's host cut off?" if heard > 3 * config.heartbeat_interval() else ""

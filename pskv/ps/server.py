@@ -290,7 +290,7 @@ class Server(Node):
             return total.view(p.rows, p.row_numel)
         raise ProtocolError(f"{p}: a push of kind {row.kind} with {len(payload)} frames")
 
-    def _finite(self, grad: Tensor, p: Part, rank: int, asked: Any = None) -> Tensor:
+    def _finite(self, grad: Tensor, p: Part, rank: int, asked: Any) -> Tensor:
         """``grad``, unless it holds NaN or Inf: then an error, or zeros (``PSKV_NONFINITE``: ours, or the pushing worker's)."""
         values, policy = grad._values() if grad.is_sparse else grad, asked if asked in ("skip", "allow") else self.nonfinite
         if policy == "allow" or not (values.is_floating_point() or values.is_complex()):
