@@ -64,11 +64,12 @@ def test_readme_store_snippet_runs() -> None:
 
 def test_readme_checkpoint_snippet_goes_on_where_it_stopped(tmp_path: Path) -> None:
     """The README's train_ckpt.py (with a small network, and 1 then 2 epochs): the second run takes
-    epoch 1 from the first's checkpoint and trains only epoch 2."""
+    epoch 1 from the first's checkpoint and trains only epoch 2, and ends with the weights of a run of
+    2 epochs never stopped (the same initial weights; each epoch's data order: it drew epoch 0's again)."""
     text = (REPO / "README.md").read_text()
     block = re.search(r"```python\n(# train_ckpt\.py.*?)```", text, re.S)
     assert block, "the README's train_ckpt.py example is gone"
-    code = block.group(1).replace("models.resnet18(num_classes=10)", "models.small_cnn(10, 3, 16)")
+    code = block.group(1).replace("net = models.resnet18(num_classes=10)", "torch.manual_seed(0)\nnet = models.small_cnn(10, 3, 16)")
     assert "range(done, 3)" in code
     for epochs in (1, 2):
         script = tmp_path / f"train_ckpt_{epochs}.py"
@@ -77,3 +78,10 @@ def test_readme_checkpoint_snippet_goes_on_where_it_stopped(tmp_path: Path) -> N
         assert res.code == 0, res
         assert res.stdout.count(f"from epoch {epochs - 1}") == 2, res
         assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [f"epoch-{epochs}"], res
+    (tmp_path / "whole").mkdir()
+    res = run([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "2", "--", sys.executable, str(script)], timeout=300, cwd=tmp_path / "whole")
+    assert res.code == 0 and res.stdout.count("from epoch 0") == 2, res
+    import torch
+
+    cut, whole = (torch.load(d / "ckpt" / "epoch-2" / "model.pt") for d in (tmp_path, tmp_path / "whole"))
+    assert all(torch.equal(cut[k], whole[k]) for k in whole), [k for k in whole if not torch.equal(cut[k], whole[k])]
