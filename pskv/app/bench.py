@@ -35,13 +35,13 @@ Shapes = list[tuple[int, ...]]
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pskv bench", description="Time push+pull rounds of a model's parameters; compare with gloo all-reduce.")
     what = p.add_mutually_exclusive_group()
-    what.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50", "vgg16"], help="its arrays (%(default)s)")
+    what.add_argument("--model", default="resnet18", choices=["resnet18", "resnet50", "vgg16"], help="time the arrays of this model (%(default)s)")
     what.add_argument("--size-mb", type=float, help="one array of this many MB (fp32) instead of a model")
-    p.add_argument("-n", "--num-workers", type=int, default=2, help="%(default)s")
-    p.add_argument("-s", "--num-servers", type=int, default=2, help="%(default)s")
+    p.add_argument("-n", "--num-workers", type=int, default=2, help="workers (%(default)s)")
+    p.add_argument("-s", "--num-servers", type=int, default=2, help="servers (%(default)s)")
     p.add_argument("--rounds", type=int, default=20, help="timed rounds (%(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed rounds first (%(default)s)")
-    p.add_argument("--kv-store", default="dist_sync", choices=["dist_sync", "dist_device_sync", "dist_async"], help="%(default)s")
+    p.add_argument("--kv-store", default="dist_sync", choices=["dist_sync", "dist_device_sync", "dist_async"], help="the store (%(default)s)")
     p.add_argument("--compare", choices=["gloo"], help="also time torch.distributed all_reduce over gloo")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--worker", choices=["pskv", "gloo"], help=argparse.SUPPRESS)  # a launched process

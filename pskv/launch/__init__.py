@@ -67,13 +67,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     option("--sync-dst-dir", used_by=("ssh", "mpi"), metavar="DIR",
            help="ssh, mpi: copy the working directory to DIR on every host with rsync first, and run from there")  # fmt: skip
     for suffix, whom in (("", "every process"), ("-server", "servers only"), ("-worker", "workers only")):
-        option(f"--env{suffix}", action="append", default=[], metavar="NAME[:VALUE]", help=f"environment for {whom}")
-    option("--timeout", type=float, help="stop the job after this many seconds")
+        option(f"--env{suffix}", action="append", default=[], metavar="NAME[:VALUE]", help=f"environment for {whom} (NAME alone: this shell's value; repeatable)")
+    option("--timeout", type=float, metavar="SECONDS", help="stop the job after this many seconds (exit status 124)")
     option("--replicas", type=int, metavar="R", help="every server's parts are also kept by the next R servers, and the "
            "job goes on when up to R servers are lost (PSKV_REPLICAS; docs/DESIGN.md, 'A lost server')")  # fmt: skip
     option("--min-workers", type=int, metavar="K", help="go on without a worker that fails while K others live "
            "(PSKV_MIN_WORKERS; dist_sync rounds then sum the live workers' gradients); default: a lost worker ends the job")  # fmt: skip
-    option("--max-restarts", type=int, used_by=("local",), metavar="N", help="start a worker the job went on without "
+    option("--max-restarts", type=int, used_by=("local",), metavar="N", help="local: start a worker the job went on without "
            "(--min-workers) anew, N times in all; it rejoins at the others' next allgather (PSKV_RESTARTS=1, 2, ... tells it)")  # fmt: skip
     option("--python", used_by=cluster, help="the Python interpreter on the cluster's hosts, which must import pskv "
            "(default: python3; the local launcher always uses the one running pskv)")  # fmt: skip
