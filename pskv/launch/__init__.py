@@ -100,9 +100,6 @@ def run(args: argparse.Namespace) -> int:
     from .spec import DEFAULT_PORT, JobSpec, read_hostfile
 
     args.launcher = args.launcher or ("ssh" if args.hostfile else "local")  # MXNet's `launch.py -H hosts -n 2 CMD`
-    for dest, (flags, users) in _USED_BY.items():
-        if getattr(args, dest, None) not in (None, False, "") and args.launcher not in users:
-            raise LaunchError(f"{flags} is not used by the {args.launcher} launcher (it is for: {', '.join(users)})")
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     ssh = args.ssh_command or os.environ.get("PSKV_SSH") or "ssh"
     try:
@@ -121,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
             if not raw.lstrip("-").isdigit():
                 raise LaunchError(f"{var}={raw!r} is not a whole number")
             setattr(args, flag, int(raw))
+    for dest, (flags, users) in _USED_BY.items():  # (after the settings that stand for them)
+        if getattr(args, dest, None) not in (None, False, "") and args.launcher not in users:
+            raise LaunchError(f"{flags} is not used by the {args.launcher} launcher (it is for: {', '.join(users)})")
     for name in sorted(set(given) - config.NAMES if config.NAMES else ()):  # (none under python -OO: no docstrings)
         if name.startswith("PSKV_"):  # a misspelled setting would be ignored where it is read
             near = difflib.get_close_matches(name, config.NAMES, 1)

@@ -474,6 +474,15 @@ def test_options_that_a_launcher_does_not_use_are_errors(capsys: pytest.CaptureF
     assert code == 2 and "need at least one worker" in err
 
 
+def test_a_setting_that_stands_for_an_option_the_launcher_does_not_use_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """PSKV_MAX_RESTARTS stands for --max-restarts (local only): under ssh it was ignored without a word."""
+    (tmp_path / "hosts").write_text("localhost\n")
+    monkeypatch.setenv("PSKV_MIN_WORKERS", "1")
+    monkeypatch.setenv("PSKV_MAX_RESTARTS", "1")
+    code, _, err = _cli(["launch", "-n", "2", "-s", "1", "-H", str(tmp_path / "hosts"), "--dry-run", "--", "true"], capsys)
+    assert code == 2 and "--max-restarts is not used by the ssh launcher (it is for: local)" in err, err
+
+
 # --------------------------------------------------------------------------------------------
 # YARN
 
