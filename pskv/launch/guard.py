@@ -115,13 +115,18 @@ def terminate(popens: Sequence[subprocess.Popen[bytes]], term: Stop, kill: Stop,
             p.wait(timeout=10)
 
 
-def _die_with_parent() -> None:
-    """In the child: a new session, and SIGKILL when the guard dies (Linux ``PR_SET_PDEATHSIG``)."""
-    os.setsid()
-    with contextlib.suppress(Exception):
-        import ctypes
+def die_with_parent(sig: int) -> Callable[[], None]:
+    """A ``preexec_fn``: a new session, and signal ``sig`` when the thread that started the child dies,
+    even by SIGKILL (Linux ``PR_SET_PDEATHSIG``). Looked up here: a child forked beside threads imports nothing."""
+    import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", lambda *_: 0)  # (not Linux: the session only)
+
+    def preexec() -> None:
+        os.setsid()
+        prctl(1, sig)
+
+    return preexec
 
 
 class Guard:
@@ -184,7 +189,7 @@ class Guard:
         try:
             popen = subprocess.Popen(
                 self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out, pass_fds=pass_fds,
-                preexec_fn=None if self.own_session else _die_with_parent,
+                preexec_fn=None if self.own_session else die_with_parent(signal.SIGKILL),
             )  # fmt: skip
         except OSError as exc:
             self.say(f"{self.name} failed: cannot start {self.argv[0]}: {exc.strerror or exc} (exited with status 127)", named=False)

@@ -25,7 +25,7 @@ from typing import IO, Literal, Optional, Protocol
 
 from .. import config
 from ..errors import LaunchError
-from .guard import LineBuffer, exit_status, pump, terminate
+from .guard import LineBuffer, die_with_parent, exit_status, pump, terminate
 from .spec import SERVE, JobSpec
 
 Show = Literal["prefix", "raw", "tail"]
@@ -106,6 +106,7 @@ class ProcessContext:
         self.restarts = self.max_restarts = 0  # of workers it declared lost (--max-restarts)
         self.unjoined: set[str] = set()  # restarted, not registered yet: stopped if the job ends first
         self.starting, self.deferred = False, 0  # in start(): run_job's signal handler defers a signal till it returns
+        self.preexec: Optional[Callable[[], None]] = None  # where no scheduler reads the lifeline: see run_job
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -119,7 +120,7 @@ class ProcessContext:
         try:
             popen = subprocess.Popen(
                 list(argv), env=env, stdin=subprocess.DEVNULL if stdin == "devnull" else subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, pass_fds=(*pass_fds, self.lifeline),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=self.preexec is None, preexec_fn=self.preexec, pass_fds=(*pass_fds, self.lifeline),
             )  # fmt: skip
             if stdin == "secret" and popen.stdin is not None:
                 with contextlib.suppress(BrokenPipeError):  # it exited at once: its status tells why
@@ -407,6 +408,8 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         finally:
             backend.close(0)
     ctx = backend.ctx = ProcessContext()
+    if not here:  # no scheduler reads the lifeline (-s 0): the kernel sends each process SIGTERM when the launcher dies
+        ctx.preexec = die_with_parent(signal.SIGTERM)
 
     def stop_on_signal(signum: int, frame: Optional[FrameType]) -> None:
         if ctx.starting:  # ctx.start raises it again once its new process is watched

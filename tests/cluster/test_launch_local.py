@@ -419,3 +419,34 @@ print(json.dumps({"launcher": launcher.pid, "ended": ended}))
     for rank in (0, 1):
         text = (tmp_path / f"error.{rank}").read_text()
         assert f"the launcher (pid {report['launcher']}) that started this job is gone" in text, text
+
+
+def test_a_killed_launcher_without_servers_ends_its_workers() -> None:
+    """``kill -9`` of ``pskv launch -s 0`` (torchrun's part, no scheduler to read the lifeline) while its
+    workers are busy outside pskv: the kernel sends each SIGTERM (PR_SET_PDEATHSIG), at once."""
+    harness = """
+import ctypes, json, os, signal, subprocess, sys, time
+ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: the job's orphans become ours
+launcher = subprocess.Popen([sys.executable, "-m", "pskv", "launch", "-n", "2", "-s", "0", "--", sys.executable, "-c",
+                             "print('busy', flush=True); import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+for _ in range(2):
+    launcher.stdout.readline()
+os.kill(launcher.pid, signal.SIGKILL)
+killed, ended = time.monotonic(), {}
+while time.monotonic() - killed < 20:
+    try:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        break
+    if pid:
+        ended[pid] = [os.waitstatus_to_exitcode(status), time.monotonic() - killed]
+    time.sleep(0.01)
+print(json.dumps({"launcher": launcher.pid, "ended": ended}))
+"""
+    res = run([sys.executable, "-c", harness], timeout=120)
+    assert res.code == 0, res
+    report = json.loads(res.stdout)
+    ended = {int(pid): v for pid, v in report["ended"].items()}
+    assert ended.pop(report["launcher"])[0] == -signal.SIGKILL, res
+    assert sorted(code for code, _ in ended.values()) == [-signal.SIGTERM] * 2, res
+    assert all(took < 10 for _, took in ended.values()), res
