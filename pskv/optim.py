@@ -53,11 +53,15 @@ def _sgd(h: Hyper, lr: float, states: Sequence[KeyState], gs: list[Tensor], ws: 
         ks = [k for k, x in enumerate(kinds) if x == (dtype, first)]
         w, g, b = [ws[k] for k in ks], [gs[k] for k in ks], [states[k].tensors["momentum_buffer"] for k in ks] if momentum else []
         low = dtype in (torch.float16, torch.bfloat16) and w[0].device.type == "cpu"  # torch's CPU kernel leaves their
-        w32, g32, b32 = ([t.float() for t in ts] for ts in (w, g, b)) if low else (w, g, b)  # vectorised elements as they were
+        # vectorised elements as they were (in float32 then, as its own arithmetic, and rounded back); it also walks each
+        # tensor's memory in order: a weight that is a slice, or strides unlike its gradient's or momentum's, go by contiguous copies
+        walks = [(u.is_contiguous() or (u.dim() == 4 and u.is_contiguous(memory_format=torch.channels_last))) and all(
+            t.stride() == u.stride() for t in (g[k], *b[k : k + 1])) for k, u in enumerate(w)]
+        w32, g32, b32 = ([u if walks[k] else u.contiguous() for k, u in enumerate(t.float() if low else t for t in ts)] for ts in (w, g, b))
         torch._fused_sgd_(w32, g32, b32, weight_decay=float(h["wd"]), momentum=momentum, lr=lr, dampening=float(h["dampening"]),
                           nesterov=bool(h["nesterov"]), maximize=False, is_first_step=first)
-        if low:  # (in float32, as the kernel's own arithmetic, then rounded back)
-            torch._foreach_copy_(w + b, w32 + b32)
+        if back := [(t, c) for t, c in zip(w + b, w32 + b32) if c is not t]:
+            torch._foreach_copy_([t for t, _ in back], [c for _, c in back])
 
 
 def _sgd_sparse(h: Hyper, lr: float, st: KeyState, rows: Tensor, vals: Tensor, w: Tensor) -> None:

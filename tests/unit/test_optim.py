@@ -289,3 +289,26 @@ def test_a_gradient_not_shaped_like_its_value_is_refused(name: str) -> None:
     with pytest.raises(pskv.OptimizerError, match=r"key 3: a gradient of shape \(2,\) for a value of shape \(5,\)"):
         create(name, learning_rate=1.0).update(3, torch.ones(2), weight)
     assert weight.tolist() == [0.0] * 5
+
+
+@pytest.mark.parametrize("layout", ["a slice", "transposed, its gradient not", "channels_last, its gradient not", "channels_last, its gradient too"])
+@pytest.mark.parametrize("hyper", [{}, {"momentum": 0.9, "wd": 1e-3}])
+def test_sgd_of_a_weight_not_contiguous_matches_torch(layout: str, hyper: dict) -> None:
+    """torch's fused kernel walks each tensor's memory in order: a parameter that is a slice (nn.Parameter(w[:, ::2])),
+    or one whose gradient has other strides, got the update of other elements (a Trainer without a store, update_all)."""
+    def make() -> torch.Tensor:
+        gen = torch.Generator().manual_seed(0)
+        return {"a slice": lambda: torch.randn(5, 12, generator=gen)[:, ::2], "transposed, its gradient not": lambda: torch.randn(6, 5, generator=gen).t(),
+                "channels_last, its gradient not": lambda: torch.randn(2, 3, 2, 2, generator=gen).to(memory_format=torch.channels_last)}[layout.replace("too", "not")]()
+    one, many, ref = make(), make(), torch.nn.Parameter(make().contiguous())
+    assert not one.is_contiguous()
+    grads = [g.to(memory_format=torch.channels_last) if layout.endswith("too") else g for g in _grads(tuple(one.shape), steps=3)]
+    a, b = create("sgd", learning_rate=0.1, **hyper), create("sgd", learning_rate=0.1, **hyper)
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=hyper.get("momentum", 0), weight_decay=hyper.get("wd", 0))
+    for g in grads:
+        a.update(0, g, one)
+        b.update_all([0], [g], [many])
+        ref.grad = g.clone()
+        opt.step()
+    for got in (one, many):
+        torch.testing.assert_close(got, ref.detach(), rtol=1e-6, atol=1e-7)
