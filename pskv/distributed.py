@@ -145,8 +145,8 @@ def broadcast_parameters(params: Union[Iterable[Any], Mapping[str, Tensor]], kv:
     if not tensors or not all(isinstance(t, Tensor) for t in tensors):
         raise TrainerError("broadcast_parameters takes tensors, (name, tensor) pairs or a state_dict, and at least one")
     with torch.no_grad():
-        for key, t in zip(_fresh_keys(kv, len(tensors)), tensors):
-            kv.broadcast(key, t.detach(), out=t.detach())
+        for key, t in zip(_fresh_keys(kv, len(tensors)), tensors):  # (into .data: a Trainer's weights, the same
+            kv.broadcast(key, t.detach(), out=t.data)  # as the store's, are not changed for it, see Trainer.step)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, kv: KVStore, root_rank: int = 0) -> None:

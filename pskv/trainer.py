@@ -194,6 +194,7 @@ class Trainer:
         self._overlap = bool(overlap)
         self._names, self._params = self._keys, self._reps  # the parameters; the store's keys and values may be runs of them
         self._members, self._views = [[i] for i in range(len(self._keys))], cast(dict[int, tuple[Tensor, Tensor]], {})
+        self._seen: dict[int, list[int]] = {}  # key index -> its weights' versions once its last pull was in (update_on_kvstore)
         if self._overlap and not any(id(t) in _FLAT or t.untyped_storage().nbytes() != t.nbytes for rep in self._reps for t in rep) and (
                 FLAT_KEYS if FLAT_KEYS is not None else all(t.is_cuda for rep in self._reps for t in rep)):
             self._keys, self._reps, self._members, self._views = _flatten(self._keys, self._reps)
@@ -249,7 +250,7 @@ class Trainer:
                 for i in [where.get(id(t)) for t in own] + trainer._reads.get(id(module), []):
                     if i is not None and i in trainer._inflight:
                         t0 = timeline.now()
-                        trainer._inflight.pop(i).wait()
+                        trainer._wait(i)
                         timeline.span(f"wait {trainer._keys[i]}", t0)
         def after_forward(module: torch.nn.Module, args: Any, out: Any) -> None:
             if not torch.compiler.is_compiling() and reads.running and threading.get_ident() == reads.thread:
@@ -350,13 +351,22 @@ class Trainer:
                                "False the servers hold the summed gradients, not the weights (each worker keeps its own, and its "
                                "optimizer's states), so it cannot take the job's: use update_on_kvstore=True, or no --max-restarts")
         kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)])
+        self._landed(range(len(self._keys)))
 
     def synchronize(self) -> None:
         """Wait for every exchange still in flight: the weights are then the step's (or the
         summed gradients, with ``update_on_kvstore=False``)."""
         self._send_bucket()
         while self._inflight:
-            self._inflight.pop(next(iter(self._inflight))).wait()
+            self._wait(next(iter(self._inflight)))
+
+    def _wait(self, i: int) -> None:
+        self._inflight.pop(i).wait()
+        self._landed([i])
+
+    def _landed(self, which: Iterable[int]) -> None:
+        """Note the versions of ``which`` keys' weights as their pulls left them: a change after that (load_state_dict) step refuses."""
+        self._seen.update((i, [ps[j]._version for ps in self._params for j in self._members[i]]) for i in which)
 
     @property
     def kvstore(self) -> Optional[KVStore]:
@@ -449,6 +459,10 @@ class Trainer:
         assert self._kv is not None
         self._send_bucket()
         edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(ps[j].grad, "_version", -1) for ps in self._params for j in self._members[i]] != v], {}
+        if moved := [self._keys[i] for i, v in self._seen.items() if i not in self._inflight and v != [ps[j]._version for ps in self._params for j in self._members[i]]]:
+            raise TrainerError(f"the weights of {moved[:3]} were changed since the Trainer last pulled them (load_state_dict, copy_?): with "
+                               "update_on_kvstore the store holds the weights and its next pull would undo the change: load weights "
+                               "before making the Trainer (pskv.checkpoint.load_weights), or pass update_on_kvstore=False")
         if edited:
             raise TrainerError(f"the gradients of {edited[:3]} changed after backward pushed them (with overlap they leave during backward): "
                                "clip with the optimizer's clip_gradient (on the servers), or change them with update_on_kvstore=False "
@@ -465,11 +479,12 @@ class Trainer:
                     self._kv._hurry()
         else:
             self._kv.pull(self._keys, [list(ts) for ts in zip(*self._reps)], _rescale=rescale)
+            self._landed(range(len(self._keys)))
         self._optimizer.num_update = max(self._optimizer.num_update, (self._steps + 1) * self._pace)  # (dist_async: workers at one pace)
         self._next_step()
         for i in self._eager:
             if i in self._inflight:
-                self._inflight.pop(i).wait()
+                self._wait(i)
         timeline.span("step", t0)
 
     def allreduce_grads(self, ignore_stale_grad: bool = False) -> None:

@@ -602,6 +602,36 @@ def test_batchnorm_statistics_stay_per_worker(inproc_job: Job) -> None:
     assert m0 != m1  # running statistics are not
 
 
+@pytest.mark.parametrize("store", ["local", "dist_sync", "dist_sync with overlap"])
+def test_weights_changed_between_steps_are_refused_where_the_store_holds_them(inproc_job: Job, store: str) -> None:
+    """With update_on_kvstore the store holds the weights: a model.load_state_dict between steps (a checkpoint
+    loaded after the Trainer was made) was undone by the next step's pull, silently; now step says so. A
+    broadcast of the model's state_dict (the same values) is no change."""
+
+    def body(kv: KVStore) -> str:
+        torch.manual_seed(0)
+        net = nn.Linear(3, 2)
+        saved = copy.deepcopy(net.state_dict())
+        tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv, update_on_kvstore=True, overlap=store.endswith("overlap"))
+        for step in range(3):
+            if step == 2:
+                tr.synchronize()
+                pskv.broadcast_parameters(net.state_dict(), kv)
+            net(torch.ones(4, 3)).sum().backward()
+            tr.step(4)
+        tr.synchronize()
+        net.load_state_dict(saved)
+        net(torch.ones(4, 3)).sum().backward()
+        with pytest.raises(pskv.TrainerError, match=r"the weights of \[0, 1\] were changed since the Trainer last pulled them"):
+            tr.step(4)
+        return "ok"
+
+    if store == "local":
+        assert body(pskv.kv.create("local")) == "ok"
+    else:
+        assert inproc_job(1, 1).run_workers(body) == ["ok"]
+
+
 # -- the overlapped exchange ---------------------------------------------------------------------
 
 
