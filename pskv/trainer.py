@@ -31,9 +31,9 @@ _FLAT: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary() 
 ParamsArg = Union[Iterable[Tensor], Iterable[tuple[str, Tensor]], Mapping[str, Tensor], Sequence[Any]]
 
 
-def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
+def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]], list[tuple[Key, Tensor]]]:
     """Keys and, per device replica, the tensors (one replica unless a list of them is given); a
-    shared tensor is trained once, frozen ones are left out."""
+    shared tensor is trained once, frozen ones are left out (the third: replica 0's, by name or place)."""
     if isinstance(params, Tensor):  # (list() would take its rows for parameters)
         raise TrainerError("params must be an iterable of tensors (model.parameters()), not one tensor")
     groups = [params] if isinstance(params, Mapping) else list(params)
@@ -41,12 +41,12 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
         raise TrainerError("the Trainer got no parameters")
     if all(isinstance(g, (Tensor, tuple)) for g in groups):
         groups = [groups]  # one replica
-    replicas = []
+    replicas, frozen = cast(list[dict[int, tuple[Key, Tensor]]], []), cast(list[tuple[Key, Tensor]], [])
     for group in groups:
         if isinstance(group, Tensor):
             raise TrainerError("params must be tensors, or one list of them per device replica; got a tensor beside lists")
         kept: dict[int, tuple[Key, Tensor]] = {}  # id(tensor) -> its key and itself
-        for item in group.items() if isinstance(group, Mapping) else group:
+        for n, item in enumerate(group.items() if isinstance(group, Mapping) else group):
             name, t = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (None, item)
             if not isinstance(t, Tensor):
                 raise TrainerError(f"params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica, got {t!r:.60}")
@@ -55,6 +55,8 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
                                    "gradients come from dense weights, as nn.Embedding(sparse=True)'s)")
             if t.requires_grad:
                 kept.setdefault(id(t), (name if name is not None else len(kept), t))
+            elif not replicas:
+                frozen.append((name if name is not None else f"#{n} given", t))
         replicas.append(kept)
     keys = [[k for k, _ in kept.values()] for kept in replicas]
     tensors = [[t for _, t in kept.values()] for kept in replicas]
@@ -62,7 +64,7 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]]]:
         raise TrainerError("every parameter is frozen (requires_grad=False): nothing to train")
     if any(k != keys[0] or [t.shape for t in ts] != [t.shape for t in tensors[0]] for k, ts in zip(keys, tensors)):
         raise TrainerError("every device replica must have the same parameters, in the same order and shapes")
-    return keys[0], tensors
+    return keys[0], tensors, frozen
 
 
 def _runs(ts: Sequence[Tensor], alike: Callable[[Tensor], Any] = lambda t: None) -> list[list[int]]:
@@ -149,7 +151,7 @@ class Trainer:
                  kvstore: Union[str, KVStore, None] = "device",
                  compression_params: Optional[dict[str, Any]] = None,
                  update_on_kvstore: Optional[bool] = None, overlap: Optional[bool] = None):
-        self._keys, self._reps = _replicas(params)
+        self._keys, self._reps, self._frozen = _replicas(params)
         if not isinstance(optimizer, optim.Optimizer):
             optimizer = optim.create(optimizer, **(optimizer_params or {}))
         elif optimizer_params:
@@ -412,6 +414,9 @@ class Trainer:
 
     def _unsent(self, ignore_stale_grad: bool) -> tuple[list[int], list[list[Tensor]]]:
         """The keys backward did not push (all of them without overlap) and their gradients."""
+        if late := [n for n, t in self._frozen if t.requires_grad and t.grad is not None]:
+            raise TrainerError(f"parameters {late[:3]} have gradients but were frozen (requires_grad=False) when the Trainer was made, "
+                               "which left them out, so it does not train them: make the Trainer after unfreezing them")
         which = [i for i, sent in enumerate(self._pushed) if not sent]
         for j in (j for i in which for j in self._members[i]):
             for d, params in enumerate(self._params):

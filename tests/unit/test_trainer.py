@@ -386,6 +386,32 @@ def test_named_shared_and_frozen_parameters() -> None:
     assert sorted(k for k in kv._keys) == ["0.bias", "0.weight"]
 
 
+@pytest.mark.parametrize("store", [None, "local", "dist_sync with overlap"])
+def test_parameters_unfrozen_after_the_trainer_is_made_are_refused(inproc_job: Job, store: Optional[str]) -> None:
+    """The Trainer leaves out parameters frozen when it is made: a backbone unfrozen later (fine-tuning) got
+    gradients that no step applied, in silence (a DistributedOptimizer refused it already). Frozen ones
+    with stale or zeroed gradients are no error."""
+
+    def body(kv: Optional[KVStore]) -> str:
+        net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+        net[0].requires_grad_(False)
+        net[0].weight.grad = torch.zeros(3, 3)  # (zero_grad(set_to_none=False) of a model trained before)
+        tr = pskv.Trainer(net.named_parameters() if kv is None else net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore=kv,
+                          overlap=True if store and store.startswith("dist") else None)
+        net(torch.ones(2, 3)).sum().backward()
+        tr.step(2)
+        net[0].requires_grad_(True)
+        net(torch.ones(2, 3)).sum().backward()
+        with pytest.raises(pskv.TrainerError, match=r"parameters \[('#0 given', '#1 given'|'0.weight', '0.bias')\] have gradients but were frozen"):
+            tr.step(2)
+        return "ok"
+
+    if store is None or store == "local":
+        assert body(pskv.kv.create("local") if store else None) == "ok"
+    else:
+        assert inproc_job(1, 1).run_workers(body) == ["ok"]
+
+
 def test_stale_gradients() -> None:
     a, b = _ones_param(), _ones_param()
     tr = pskv.Trainer([a, b], "sgd", {"learning_rate": 1.0}, kvstore="local", update_on_kvstore=True)
