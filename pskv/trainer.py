@@ -49,7 +49,9 @@ def _replicas(params: ParamsArg) -> tuple[list[Key], list[list[Tensor]], list[tu
         for n, item in enumerate(group.items() if isinstance(group, Mapping) else group):
             name, t = item if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) else (None, item)
             if not isinstance(t, Tensor):
-                raise TrainerError(f"params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica, got {t!r:.60}")
+                groups_hint = " (torch's param groups? A Trainer runs one optimizer for all: per-group settings need pskv.DistributedOptimizer)"
+                raise TrainerError(f"params must be tensors, (name, tensor) pairs, a dict, or one of those per device replica, got "
+                                   f"{t!r:.60}" + (groups_hint if name == "params" else ""))
             if t.requires_grad and t.layout != torch.strided:  # (the local update failed inside torch, a store's pull skipped it)
                 raise TrainerError(f"parameter {name or len(kept)!r} has layout {t.layout}: the Trainer trains dense parameters (row-sparse "
                                    "gradients come from dense weights, as nn.Embedding(sparse=True)'s)")

@@ -444,6 +444,8 @@ def test_misuse_is_a_clear_error(inproc_job: Job) -> None:
         pskv.Trainer([torch.ones(2)], "sgd")
     with pytest.raises(pskv.TrainerError, match="not one tensor"):  # (its rows are no parameters)
         pskv.Trainer(torch.ones(3, 2, requires_grad=True), "sgd")
+    with pytest.raises(pskv.TrainerError, match=r"torch's param groups\? A Trainer runs one optimizer for all"):
+        pskv.Trainer([{"params": [_ones_param()], "lr": 0.1}, {"params": [_ones_param()]}], "sgd")
     with pytest.raises(pskv.TrainerError, match="a tensor beside lists"):
         pskv.Trainer([[_ones_param()], _ones_param()], "sgd")
     with pytest.raises(pskv.OptimizerError, match="did you mean 'learning_rate'"):
