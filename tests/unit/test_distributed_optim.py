@@ -308,6 +308,13 @@ def test_load_state_dict_reaches_the_optimizer_a_scheduler_made_before_wrapping_
     assert dopt.param_groups[0]["lr"] == pytest.approx(0.05) and opt.param_groups is dopt.param_groups
 
 
+def test_a_dist_async_store_is_refused_in_the_wrappers_words(inproc_job: Job) -> None:
+    """It said 'update_on_kvstore=False is not possible', an argument the user never passed."""
+    opt = torch.optim.SGD([nn.Parameter(torch.ones(2))], lr=0.1)
+    with inproc_job(1, 1).worker("dist_async") as kv, pytest.raises(pskv.TrainerError, match="DistributedOptimizer needs summed rounds"):
+        pskv.DistributedOptimizer(opt, kv)
+
+
 def test_parameters_the_wrapper_does_not_sum_are_refused_by_name() -> None:
     """A group added after wrapping, or a parameter frozen when wrapped and unfrozen later, was trained
     on each worker's own gradient (divided by the workers: 'average') without a word."""
