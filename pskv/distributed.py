@@ -105,7 +105,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStor
         raise TrainerError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if op not in ("average", "sum"):
         raise TrainerError(f"DistributedOptimizer op {op!r}: it must be 'average' or 'sum'")
-    if (kv if isinstance(kv, str) else kv.type) == "dist_async":  # (before a store is made)
+    if getattr(kv, "type", kv) == "dist_async":  # (before a store is made; None or a wrong type: the Trainer says)
         raise TrainerError("DistributedOptimizer needs summed rounds; a dist_async store applies each push on its own, with the "
                            "servers' optimizer: use dist_sync, or pskv.Trainer (its optimizer then runs on the servers)")
     params = [p for group in optimizer.param_groups for p in group["params"]]

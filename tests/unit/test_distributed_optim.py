@@ -119,6 +119,9 @@ def test_bad_arguments_are_named() -> None:
         pskv.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), kv, op="max")
     with pytest.raises(pskv.TrainerError, match=r"torch\.optim\.Optimizer"):
         pskv.DistributedOptimizer(net, kv)  # type: ignore[arg-type]
+    with pytest.raises(pskv.TrainerError, match="kvstore must be a store type name, a KVStore or None, not int"):
+        pskv.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), 3)  # type: ignore[arg-type]  # (an AttributeError)
+    pskv.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), None).step()  # type: ignore[arg-type]  # no store: as before
     with pytest.raises(pskv.TrainerError, match="root_rank must be 0"):
         pskv.broadcast_parameters(net.parameters(), kv, root_rank=1)
     with pytest.raises(pskv.TrainerError, match="at least one"):
