@@ -467,9 +467,11 @@ class Trainer:
         self._send_bucket()
         edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(ps[j].grad, "_version", -1) for ps in self._params for j in self._members[i]] != v], {}
         if moved := [self._keys[i] for i, v in self._seen.items() if i not in self._inflight and v != [ps[j]._version for ps in self._params for j in self._members[i]]]:
-            raise TrainerError(f"the weights of {moved[:3]} were changed since the Trainer last pulled them (load_state_dict, copy_?): with "
-                               "update_on_kvstore the store holds the weights and its next pull would undo the change: load weights "
-                               "before making the Trainer (pskv.checkpoint.load_weights), or pass update_on_kvstore=False")
+            raise TrainerError(f"the weights of {moved[:3]} were changed since the Trainer last pulled them (load_state_dict, copy_, or in "
+                               "forward, as nn.Embedding(max_norm=...) does?): with update_on_kvstore the store holds the weights and its next "
+                               "pull would undo the change: load weights before making the Trainer (pskv.checkpoint.load_weights), or pass "
+                               "update_on_kvstore=False; weights changed and copied back since (an evaluation with others): trainer.pull_weights() "
+                               "once they are back, before the next backward")
         if edited:
             raise TrainerError(f"the gradients of {edited[:3]} changed after backward pushed them (with overlap they leave during backward): "
                                "clip with the optimizer's clip_gradient (on the servers), or change them with update_on_kvstore=False "

@@ -660,6 +660,26 @@ def test_weights_changed_between_steps_are_refused_where_the_store_holds_them(in
         assert inproc_job(1, 1).run_workers(body) == ["ok"]
 
 
+def test_weights_changed_in_forward_or_copied_back_are_named_in_the_refusal() -> None:
+    """nn.Embedding(max_norm=...) renormalises its rows in forward, a change the next pull undid before the refusal (and the
+    error blamed load_state_dict); weights swapped for an evaluation and copied back are the same values: pull_weights()."""
+    emb = nn.Embedding(10, 4, max_norm=0.5)
+    tr = pskv.Trainer(emb.parameters(), "sgd", {"learning_rate": 0.1}, kvstore="local", update_on_kvstore=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(pskv.TrainerError, match=r"or in forward, as nn\.Embedding\(max_norm=\.\.\.\) does\?\)"):
+        tr.step(2)
+    net = nn.Linear(3, 2)
+    tr = pskv.Trainer(net.parameters(), "sgd", {"learning_rate": 0.1}, kvstore="local", update_on_kvstore=True)
+    with torch.no_grad():
+        kept = [p.clone() for p in net.parameters()]
+        for p, k in zip(net.parameters(), kept):
+            p.zero_()
+            p.copy_(k)
+    tr.pull_weights()
+    net(torch.ones(2, 3)).sum().backward()
+    tr.step(2)
+
+
 # -- the overlapped exchange ---------------------------------------------------------------------
 
 
