@@ -120,11 +120,12 @@ def die_with_parent(sig: int) -> Callable[[], None]:
     even by SIGKILL (Linux ``PR_SET_PDEATHSIG``). Looked up here: a child forked beside threads imports nothing."""
     import ctypes
 
-    prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", lambda *_: 0)  # (not Linux: the session only)
+    prctl, parent = getattr(ctypes.CDLL(None, use_errno=True), "prctl", lambda *_: 0), os.getpid()  # (not Linux: the session only)
 
     def preexec() -> None:
         os.setsid()
-        prctl(1, sig)
+        if prctl(1, sig) == 0 and os.getppid() != parent:  # the parent died before prctl
+            os.kill(os.getpid(), sig)
 
     return preexec
 
