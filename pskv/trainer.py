@@ -332,7 +332,7 @@ class Trainer:
         push = [(self._metas[i], cast(list[Tensor], [rep[i].grad for rep in self._reps])) for i in which]
         if self._update_on_kvstore:
             self._kv._checked(push, None, -which[-1], held=self._held)
-            self._versions.update((i, [getattr(ps[j].grad, "_version", -1) for ps in self._params for j in self._members[i]]) for i in which)
+            self._versions.update((i, self._stamps(i, grads=True)) for i in which)
         else:
             self._inflight.update(dict.fromkeys(which, self._kv._checked(push, push, -which[-1])))
         timeline.span(f"push {self._keys[which[0]]}..{self._keys[which[-1]]}", t0, keys=len(which))
@@ -370,7 +370,11 @@ class Trainer:
 
     def _landed(self, which: Iterable[int]) -> None:
         """Note the versions of ``which`` keys' weights as their pulls left them: a change after that (load_state_dict) step refuses."""
-        self._seen.update((i, [ps[j]._version for ps in self._params for j in self._members[i]]) for i in which)
+        self._seen.update((i, self._stamps(i)) for i in which)
+
+    def _stamps(self, i: int, grads: bool = False) -> list[int]:
+        """The version counters of key ``i``'s weights, or of their gradients (-1: none), in every replica."""
+        return [getattr(ps[j].grad, "_version", -1) if grads else ps[j]._version for ps in self._params for j in self._members[i]]
 
     @property
     def kvstore(self) -> Optional[KVStore]:
@@ -465,8 +469,8 @@ class Trainer:
             return
         assert self._kv is not None
         self._send_bucket()
-        edited, self._versions = [self._keys[i] for i, v in self._versions.items() if [getattr(ps[j].grad, "_version", -1) for ps in self._params for j in self._members[i]] != v], {}
-        if moved := [self._keys[i] for i, v in self._seen.items() if i not in self._inflight and v != [ps[j]._version for ps in self._params for j in self._members[i]]]:
+        edited, self._versions = [self._keys[i] for i, v in self._versions.items() if self._stamps(i, grads=True) != v], {}
+        if moved := [self._keys[i] for i, v in self._seen.items() if i not in self._inflight and v != self._stamps(i)]:
             raise TrainerError(f"the weights of {moved[:3]} were changed since the Trainer last pulled them (load_state_dict, copy_, or in "
                                "forward, as nn.Embedding(max_norm=...) does?): with update_on_kvstore the store holds the weights and its next "
                                "pull would undo the change: load weights before making the Trainer (pskv.checkpoint.load_weights), or pass "
