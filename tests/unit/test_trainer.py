@@ -110,6 +110,29 @@ def test_two_trainers_share_one_store(inproc_job: Job) -> None:
         assert torch.equal(g.detach(), torch.full((3,), 1 - 2.5 * s)) and torch.equal(d.detach(), torch.full((3,), 1 - 25 * s))
 
 
+def test_trainers_sharing_a_store_share_its_codec() -> None:
+    """A store has one codec for every key: a second Trainer's other compression_params switched the
+    first's keys to theirs and dropped their residuals, in silence; now refused. The same ones keep them."""
+    kv = pskv.kv.create("local")
+    a, two_bit = _ones_param(), {"type": "2bit", "threshold": 0.5}
+    first = pskv.Trainer([a], "sgd", {"learning_rate": 1.0}, kvstore=kv, update_on_kvstore=False, compression_params=two_bit)
+    a.grad = torch.full_like(a, 0.3)
+    first.step(1)
+    assert torch.equal(a.detach(), torch.ones(3))  # 0.3 < 0.5: nothing sent, 0.3 kept in the residual
+    for other in ({"type": "fp16"}, {"type": "2bit", "threshold": 0.25}):
+        with pytest.raises(pskv.TrainerError, match=r"another Trainer's gradients cross as \{'type': '2bit'.*one codec for every key"):
+            pskv.Trainer([_ones_param()], "sgd", kvstore=kv, update_on_kvstore=False, compression_params=other)
+    same = pskv.Trainer([_ones_param()], "sgd", kvstore=kv, update_on_kvstore=False, compression_params=dict(two_bit))
+    a.grad = torch.full_like(a, 0.3)
+    first.step(1)
+    assert torch.equal(a.detach(), torch.full((3,), 0.5))  # residual 0.6 >= 0.5: 0.5 sent (it was 0 or fp16's 0.3 before)
+    plain = pskv.kv.create("local")
+    kept = pskv.Trainer([_ones_param()], "sgd", kvstore=plain, update_on_kvstore=False)  # (a Trainer let go no longer counts)
+    with pytest.raises(pskv.TrainerError, match="cross as uncompressed"):
+        pskv.Trainer([_ones_param()], "sgd", kvstore=plain, update_on_kvstore=False, compression_params=two_bit)
+    assert same.update_on_kvstore is kept.update_on_kvstore is False
+
+
 def test_batch_size_scales_the_sum(inproc_job: Job) -> None:
     job = inproc_job(2, 1)
 
