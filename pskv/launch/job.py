@@ -436,8 +436,9 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         return status
     except BaseException as exc:
         ctx.stop_all()
-        if isinstance(exc, FileNotFoundError):
-            raise LaunchError(f"cannot start {exc.filename}: {exc.strerror}") from None
+        if isinstance(exc, FileNotFoundError) or (isinstance(exc, OSError) and exc.filename in spec.command[:1]):  # not a program
+            hint = "; a script without the execute bit or a #! line runs as `python SCRIPT`" if exc.errno in (errno.EACCES, errno.ENOEXEC) else ""
+            raise LaunchError(f"cannot start {exc.filename}: {exc.strerror}{hint}") from None
         if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE, errno.EAGAIN):  # a huge -n
             raise LaunchError(f"cannot start process {len(ctx.procs) + 1} of the job: {exc.strerror}; stopped the others") from None
         raise

@@ -282,6 +282,13 @@ def test_bad_arguments_are_clear(tmp_path: Path) -> None:
         [sys.executable, "-m", "pskv", "launch", "-n", "1", "-s", "0", "--", "/no/such/program"], timeout=60
     )
     assert res.code == 2 and "cannot start /no/such/program" in res.stderr, res
+    # a script without the execute bit, or without a #! line: the same clear error, no traceback (was one, status 1)
+    script = tmp_path / "job.py"
+    script.write_text("print('hi')\n")
+    for mode, said in ((0o644, "Permission denied"), (0o755, "Exec format error")):
+        script.chmod(mode)
+        res = run([sys.executable, "-m", "pskv", "launch", "-n", "1", "-s", "1", "--", str(script)], timeout=60)
+        assert res.code == 2 and f"cannot start {script}: {said}; " in res.stderr and "Traceback" not in res.stderr, res
     res = run([sys.executable, "-m", "pskv", "launch", "-n", "1"], timeout=60)
     assert res.code == 2 and "no command to run" in res.stderr, res
 
