@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Optional, Union
 
 import torch
@@ -88,11 +88,9 @@ class _Distributed:
         finally:
             self._pskv_skip = False
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate their gradients here; the next one outside sends the sums."""
-        with self._pskv.no_sync():
-            yield
+        return self._pskv.no_sync()
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, kv: Union[str, KVStore], op: str = "average", overlap: Optional[bool] = None) -> Any:
