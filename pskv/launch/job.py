@@ -401,12 +401,11 @@ def run_job(spec: JobSpec, backend: Backend) -> int:
         try:
             note = f"scheduler here, bound to {backend.address} (its port replaces DMLC_PS_ROOT_PORT=0 below)\n" if here else ""
             print(f"# {backend.title}\n{note}{backend.plan(0 if here else None).rstrip()}", flush=True)
-            return 0
         except BrokenPipeError:  # `--dry-run | head`: the reader has what it wanted
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (else the exit's flush fails again)
-            return 0
         finally:
             backend.close(0)
+        return 0
     ctx = backend.ctx = ProcessContext()
     if not here:  # no scheduler reads the lifeline (-s 0): the kernel sends each process SIGTERM when the launcher dies
         ctx.preexec = die_with_parent(signal.SIGTERM)
