@@ -413,8 +413,7 @@ class Trainer:
     def _set_scale(self, batch_size: float) -> float:
         if not isinstance(batch_size, numbers.Real) or isinstance(batch_size, bool) or not 0 < batch_size < float("inf"):
             raise TrainerError(f"batch_size must be a positive number, got {batch_size!r}")  # (numpy's numbers too)
-        batch_size = float(batch_size)
-        scale = self._scale / batch_size
+        scale = self._scale / float(batch_size)
         if not self._async:  # dist_sync: the scale goes with the pulls of the held round; dist_async: with each push
             self._optimizer.set_rescale_grad(scale)
         if self._update_on_kvstore and self._kv is not None and not self._held and self._optimizer.rescale_grad != self._sent_scale:
