@@ -107,6 +107,7 @@ class ProcessContext:
         self.unjoined: set[str] = set()  # restarted, not registered yet: stopped if the job ends first
         self.starting, self.deferred = False, 0  # in start(): run_job's signal handler defers a signal till it returns
         self.preexec: Optional[Callable[[], None]] = None  # where no scheduler reads the lifeline: see run_job
+        self.since = time.time()  # timeline parts older than this are another job's (a launcher killed by SIGKILL left them)
 
     def start(
         self, name: str, argv: Sequence[str], env: Mapping[str, str], pass_fds: Sequence[int] = (),
@@ -462,7 +463,7 @@ def merge_timelines(spec: JobSpec, ctx: ProcessContext) -> None:
     for path, count in paths.items():
         from ..ps import timeline  # not at the top: pskv.ps loads zmq
 
-        if (merged := timeline.merge(path)) < count:
+        if (merged := timeline.merge(path, ctx.since)) < count:
             said = f"{merged} of {count} processes' files merged into {path}; the others wrote none" if merged else f"none of the {count} processes wrote one"
             ctx.report(f"timeline: {said} here (on a cluster each host keeps its own as "
                        f"{path}.<role>-<rank>.json: gather them and merge with pskv.ps.timeline.merge)")

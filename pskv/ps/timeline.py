@@ -74,9 +74,10 @@ def _stopped(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
-def merge(path: str) -> int:
-    """Merge the per-process files ``path.*.json`` into ``path`` (removing them); how many there were."""
-    if not (parts := sorted(glob.glob(f"{glob.escape(path)}.*-*.json"))):
+def merge(path: str, since: float = 0.0) -> int:
+    """Merge the per-process files ``path.*.json`` written since ``since`` (``time.time()``; older ones are
+    another job's, left as they are) into ``path``, removing them; how many there were."""
+    if not (parts := sorted(p for p in glob.glob(f"{glob.escape(path)}.*-*.json") if os.stat(p).st_mtime >= since)):
         return 0
     with open(path, "w") as out:
         out.write('{"displayTimeUnit": "ms", "traceEvents": [\n')

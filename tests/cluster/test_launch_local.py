@@ -135,12 +135,16 @@ def test_timeline_files_are_merged_when_the_job_ends(tmp_path: Path) -> None:
 
 
 def test_timeline_files_missing_at_the_end_are_said(tmp_path: Path) -> None:
-    """Workers that never made a store write no timeline (as processes on another host write theirs there)."""
+    """Workers that never made a store write no timeline (as processes on another host write theirs there).
+    A part an earlier job left (its launcher killed by SIGKILL) is not merged into this job's (it was)."""
     path = tmp_path / "t.json"
+    stale = tmp_path / "t.json.worker-3.json"
+    stale.write_text('[\n{"name": "process_name", "ph": "M", "pid": 1003, "args": {"name": "worker 3"}},\n')
+    os.utime(stale, (time.time() - 60, time.time() - 60))
     res = launch(tmp_path, "print('no store')", 2, 1, env={"PSKV_TIMELINE": str(path)})
     assert res.code == 0, res
     assert "timeline: none of the 3 processes wrote one here (on a cluster" in res.stderr, res
-    assert not path.exists(), res
+    assert not path.exists() and stale.exists(), res
 
 
 def test_timeline_keeps_the_spans_of_processes_the_launcher_stopped(tmp_path: Path) -> None:
