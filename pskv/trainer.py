@@ -204,8 +204,8 @@ class Trainer:
                 FLAT_KEYS if FLAT_KEYS is not None else all(t.is_cuda for rep in self._reps for t in rep)):
             self._keys, self._reps, self._members, self._views = _flatten(self._keys, self._reps)
         if kv is not None:
-            if compression_params and (now := kv._compressor and kv._compressor.codec.describe()) != Codec.create(compression_params).describe():
-                if sharing:  # (it would switch the other Trainers' keys to this codec and drop their residuals)
+            if compression_params:
+                if sharing and (now := kv._compressor and kv._compressor.codec.describe()) != Codec.create(compression_params).describe():
                     raise TrainerError(f"compression_params {dict(compression_params)} on a store that another Trainer's gradients "
                                        f"cross as {now or 'uncompressed'}: a store has one codec for every key; give them the same")
                 kv.set_gradient_compression(compression_params)

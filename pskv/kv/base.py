@@ -313,8 +313,12 @@ class KVStore:
 
     @_locked
     def set_gradient_compression(self, compression_params: dict[str, Any]) -> None:
-        """Compress pushed gradients, e.g. ``{"type": "2bit", "threshold": 0.5}`` (see :mod:`pskv.compression`)."""
-        self._compressor = Compressor(compression_params)
+        """Compress pushed gradients, e.g. ``{"type": "2bit", "threshold": 0.5}`` (see :mod:`pskv.compression`);
+        the same codec again changes nothing (its residuals are kept), another starts afresh."""
+        new = Compressor(compression_params)
+        if self._compressor is not None and self._compressor.codec.describe() == new.codec.describe():
+            return
+        self._compressor = new
         self._set_compression_impl(self._compressor)
 
     @_locked

@@ -160,3 +160,18 @@ def test_a_float64_key_keeps_a_float64_residual() -> None:
     r = comp.residual(0, 0, g)
     assert r.dtype == torch.float64
     assert comp.codec.encode(g, r).double() + r == g  # float32 lost the 1e-12
+
+
+def test_the_same_codec_set_again_keeps_the_residuals() -> None:
+    """As set_optimizer: the same settings again change nothing (they dropped every residual), others start afresh."""
+    kv = pskv.kv.create("local")
+    kv.init("w", torch.zeros(3))
+    out = torch.empty(3)
+    kv.set_gradient_compression({"type": "2bit", "threshold": 0.5})
+    for codec, grad, want in (({"type": "2bit", "threshold": 0.5}, 0.3, 0.0),  # 0.3 < 0.5: kept back
+                              ({"type": "2bit", "threshold": 0.5}, 0.3, 0.5),  # 0.6: 0.5 sent, 0.1 kept
+                              ({"type": "2bit", "threshold": 0.25}, 0.2, 0.0)):  # afresh: 0.2 < 0.25 (0.3 with the old 0.1)
+        kv.set_gradient_compression(codec)
+        kv.push("w", torch.full((3,), grad))
+        kv.pull("w", out=out)
+        assert out.tolist() == [want] * 3, (codec, grad, out)
