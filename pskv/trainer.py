@@ -177,6 +177,9 @@ class Trainer:
             raise TrainerError("a second Trainer on this store: a store runs one optimizer, for every key, so Trainers that "
                                "share one all pass update_on_kvstore=False (each updates its own parameters; the store "
                                "sums; not on dist_async), or one Trainer takes every parameter")
+        if sharing and kv is not None and compression_params and (now := kv._compressor and kv._compressor.codec.describe()) != Codec.create(compression_params).describe():
+            raise TrainerError(f"compression_params {dict(compression_params)} on a store that another Trainer's gradients "
+                               f"cross as {now or 'uncompressed'}: a store has one codec for every key; give them the same")
         update_on_kvstore = False if sharing else update_on_kvstore
         if kv is None and update_on_kvstore:
             raise TrainerError("update_on_kvstore=True needs a store, but kvstore is None")
@@ -205,9 +208,6 @@ class Trainer:
             self._keys, self._reps, self._members, self._views = _flatten(self._keys, self._reps)
         if kv is not None:
             if compression_params:
-                if sharing and (now := kv._compressor and kv._compressor.codec.describe()) != Codec.create(compression_params).describe():
-                    raise TrainerError(f"compression_params {dict(compression_params)} on a store that another Trainer's gradients "
-                                       f"cross as {now or 'uncompressed'}: a store has one codec for every key; give them the same")
                 kv.set_gradient_compression(compression_params)
             self._keys = _own_keys(kv, self._keys)
             kv.init(self._keys, [t.detach() for t in self._reps[0]])
