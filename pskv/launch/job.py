@@ -185,8 +185,8 @@ class ProcessContext:
                 lost.append(failed[0])
                 self.report(f"{failed[0].name} {describe_exit(failed[0].returncode or 0)}; {note}", failed[0])
                 continue
-            named = self._named(failed[0]) if failed else None
-            named = (self._named(named) or named) if named is not None and named.returncode else named  # failed too (the scheduler, of a worker that raised): what its error names
+            named = self._named(failed[0], lost) if failed else None
+            named = (self._named(named, lost) or named) if named is not None and named.returncode else named  # failed too (the scheduler, of a worker that raised): what its error names
             if named is not None and named.returncode is None and time.monotonic() < (blame_until := blame_until or time.monotonic() + self.GRACE):
                 time.sleep(0.05)  # its error names a worker or server that is still exiting: that one's status is the job's
                 continue
@@ -226,12 +226,13 @@ class ProcessContext:
                 return self._stop(124, f"the job ran past its time limit of {timeout:g} s; stopped it")
             time.sleep(0.05)
 
-    def _named(self, failed: Watched) -> Optional[Watched]:
-        """The worker, server or scheduler that the last lines of ``failed`` name (its error: "worker 1 finished ...")."""
+    def _named(self, failed: Watched, lost: Sequence[Watched] = ()) -> Optional[Watched]:
+        """The worker, server or scheduler that the last lines of ``failed`` name (its error: "worker 1 finished ..."), not one of
+        ``lost`` (declared lost earlier, the job went on: the scheduler's last lines name it too, before the one that ended the job)."""
         for reader in getattr(failed, "readers", ()):  # its last lines, read to the end
             reader.join(timeout=1.0)
         last = " ".join(line for line in failed.tail[-3:] if "pskv" in line)  # pskv's errors, not the program's own lines
-        return next((q for q, _ in self.watched if q is not failed and q.name.startswith(("worker ", "server ", "scheduler")) and re.search(
+        return next((q for q, _ in self.watched if q is not failed and q not in lost and q.name.startswith(("worker ", "server ", "scheduler")) and re.search(
             r"the scheduler at \S+ (has not answered|closed its)" if q.name == "scheduler" else rf"\b{re.escape(q.name)}\b", last)), None)
 
     def _restart(self, name: str) -> None:

@@ -258,6 +258,29 @@ time.sleep(60)
     assert "pskv launch: server 1 is stopped (SIGSTOP?)" in res.stderr, res
 
 
+@pytest.mark.parametrize("first", ["SIGKILL", "SIGSTOP"])
+def test_replicas_the_server_lost_past_them_is_named_not_the_one_lost_before(tmp_path: Path, first: str) -> None:
+    """``--replicas 1`` of 3 servers: server 1 lost (killed or stopped; the job goes on), then server 2,
+    its backup, stopped: the job ends. The launcher named server 1 (the scheduler's last lines name it
+    first), or the scheduler, not server 2, the one whose loss ended the job."""
+    script = FIND + f"""
+kv = pskv.kv.create("dist_sync")
+kv.init(list(range(6)), [torch.zeros(4)] * 6)  # (on every server)
+for i in range(600):
+    if kv.rank == 0 and i == 3:
+        os.kill(kv._client.servers[1]["pid"], signal.{first})
+    if kv.rank == 0 and i > 3 and 1 in kv._client.lost_servers:
+        os.kill(kv._client.servers[2]["pid"], signal.SIGSTOP)
+        time.sleep(60)
+    kv.push(list(range(6)), [torch.ones(4)] * 6)
+    kv.pull(list(range(6)), [torch.empty(4) for _ in range(6)])
+    time.sleep(0.05)
+"""
+    res = launch(tmp_path, script, 2, 3, env={"PSKV_HEARTBEAT_TIMEOUT": "3"}, launch_args=["--replicas", "1"], timeout=120)
+    assert res.code == 1 and "pskv scheduler: server 2 (host " in res.stderr, res
+    assert "pskv launch: server 2 is stopped (SIGSTOP?)" in res.stderr, res
+
+
 def test_a_worker_lost_across_the_start_is_told_so_when_it_goes_on(tmp_path: Path) -> None:
     """Worker 1 registers and stops (SIGSTOP); the job starts and declares it lost at the heartbeat
     deadline; worker 0 then continues it. It read its node table and failed 3 s later with "the scheduler
