@@ -216,7 +216,8 @@ def tensor_frame(t: torch.Tensor) -> memoryview:
 
 
 def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) -> torch.Tensor:
-    """A 1-D tensor over ``frame``'s bytes (no copy) of exactly ``numel`` elements (None: any number)."""
+    """A 1-D tensor over ``frame``'s bytes of exactly ``numel`` elements (None: any number); a copy only where the
+    frame does not start at a multiple of the item size (zmq's small frames may start at any even address)."""
     import torch
     buf = _buf(frame)
     itemsize = dtype.itemsize
@@ -228,4 +229,5 @@ def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) ->
         raise ProtocolError(f"payload is {buf.nbytes} bytes, expected {numel} x {itemsize}")
     if buf.readonly:
         buf = memoryview(bytearray(buf))
-    return torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)
+    raw = torch.frombuffer(buf, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
+    return (raw.clone() if raw.data_ptr() % itemsize else raw).view(dtype)  # (complex128 kernels crash on unaligned memory)

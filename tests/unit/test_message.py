@@ -67,6 +67,19 @@ def test_tensor_frames_for_every_dtype(dtype: torch.dtype) -> None:
     assert torch_dtype(dtype_name(dtype)) == dtype
 
 
+def test_a_frame_at_any_address_gives_an_aligned_tensor() -> None:
+    # zmq hands over small frames 2-byte aligned; complex128 kernels crash (SIGSEGV) on memory not 16-byte
+    # aligned, which took a server down at the INIT of any complex128 key
+    t = torch.arange(3.0).to(torch.complex128) * (1 + 1j)
+    buf = bytearray(16 + 8 + t.numel() * 16)
+    at = 8 + -torch.frombuffer(buf, dtype=torch.uint8).data_ptr() % 16  # 8 bytes past a 16-byte boundary
+    buf[at : at + 48] = bytes(tensor_frame(t))
+    back = frame_tensor(memoryview(buf)[at : at + 48], torch.complex128, 3)
+    assert back.data_ptr() % 16 == 0 and torch.equal(back, t)
+    floats = frame_tensor(memoryview(buf)[at : at + 48], torch.float32, 12)  # aligned to its items: a view, no copy
+    assert floats.data_ptr() == torch.frombuffer(buf, dtype=torch.uint8).data_ptr() + at
+
+
 def test_tensor_frame_is_a_view_not_a_copy() -> None:
     t = torch.zeros(4)
     view = tensor_frame(t)
