@@ -215,6 +215,23 @@ def test_errors_name_the_key_and_leave_the_store_usable(kv: KVStore) -> None:
     assert all(issubclass(c, pskv.KVStoreError) for c in (pskv.ShapeMismatchError, pskv.KeyTypeError))
 
 
+def test_an_out_that_cannot_hold_a_value_is_refused_before_anything(kv: KVStore) -> None:
+    """An expanded out (stride 0): torch's RuntimeError came from the copy, after pushpull had pushed, broadcast had
+    initialised the key, and a multi-key pull had written the keys before it."""
+    kv.init(["a", "b"], [torch.ones(3), torch.ones(3)])
+    with pytest.raises(pskv.InvalidValueError, match=r"key 'a'.*expanded"):
+        kv.pushpull("a", torch.full((3,), 5.0), out=torch.zeros(1).expand(3))
+    out_b = torch.zeros(3)
+    with pytest.raises(pskv.InvalidValueError, match=r"key 'a'.*expanded"):
+        kv.pull(["b", "a"], [out_b, torch.zeros(1).expand(3)])
+    assert torch.equal(out_b, torch.zeros(3)) and torch.equal(pulled(kv, "a", torch.ones(3)), torch.ones(3))
+    with pytest.raises(pskv.InvalidValueError, match=r"key 'd'.*expanded"):
+        kv.broadcast("d", torch.ones(3), out=torch.zeros(1).expand(3))
+    kv.init("d", torch.ones(3))  # the refused broadcast did not init it
+    kv.init("c", torch.ones(1, 3))
+    kv.pull("c", torch.zeros(3).as_strided((1, 3), (0, 1)))  # a stride of 0 on a dimension of one element shares nothing
+
+
 def test_mixed_key_kinds_in_one_init_leave_nothing() -> None:
     kv = pskv.kv.create()
     with pytest.raises(pskv.KeyTypeError):
