@@ -355,24 +355,24 @@ class DistStore(KVStore):
     def _row_sparse_pull_impl(self, items: list[tuple[KeyMeta, list[Tensor], list[Tensor]]], priority: int) -> None:
         self._client.check()
         handle = self._client.handle()
-        results: list[tuple[KeyMeta, list[Tensor], list[Tensor], Tensor, Tensor]] = []
+        results: list[tuple[list[Tensor], list[Tensor], Tensor, Tensor]] = []
         queued = False  # (no row wanted: nothing to wait for)
         for meta, outs, row_lists in items:
             wanted = torch.unique(torch.cat(row_lists))
-            data = torch.empty(len(wanted), meta.row_numel, dtype=meta.dtype)
+            data = torch.empty(len(wanted), *meta.shape[1:], dtype=meta.dtype)  # (rows of no elements: shape (n, 0))
             for p in self._parts[meta.id]:
                 r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
                 i0, i1 = torch.searchsorted(wanted, torch.tensor([r0, r1])).tolist()  # its rows of the (sorted) wanted
                 if i1 > i0:
                     self._queue_pull(handle, meta, p, data[i0:i1], (wanted[i0:i1] - r0).contiguous(), priority=priority)
                     queued = True
-            results.append((meta, outs, row_lists, wanted, data))
+            results.append((outs, row_lists, wanted, data))
         if queued:
             self._done(handle, True)
-        for meta, outs, row_lists, wanted, data in results:
+        for outs, row_lists, wanted, data in results:
             for out, rows in zip(outs, row_lists):
                 pos = torch.searchsorted(wanted, rows)
-                write_rows(out, rows, data[pos].view(len(rows), *meta.shape[1:]))
+                write_rows(out, rows, data[pos])
 
     def _to_servers(self, make: Callable[[int], Message], what: str, on_reply: Optional[Callable[[Message], None]] = None) -> None:
         self._client.check()

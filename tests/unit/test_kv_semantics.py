@@ -270,6 +270,14 @@ def test_row_sparse_pull_returns_exactly_the_requested_rows(kv: KVStore) -> None
     assert torch.equal(dense, torch.zeros(6, 4))
 
 
+def test_row_sparse_pull_of_a_key_whose_rows_have_no_elements(kv: KVStore) -> None:
+    """A key of shape (5, 0): dist stores failed with a bare RuntimeError ("shape '[2, 0]' is invalid for input of size 2")."""
+    kv.init("none", torch.ones(5, 0))
+    dense, sparse = torch.ones(5, 0), rs([0], torch.zeros(1, 0), (5, 0))
+    kv.row_sparse_pull("none", [dense, sparse], row_ids=torch.tensor([3, 1, 3]))
+    assert dense.shape == (5, 0) and sparse.coalesce().indices()[0].tolist() == [1, 3]
+
+
 def test_row_sparse_pull_into_device_list_with_own_rows(kv: KVStore) -> None:
     weight = torch.arange(12.0).view(6, 2)
     kv.init(0, weight)
