@@ -19,7 +19,7 @@ from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
 from ..ps import serve, timeline
 from ..ps.client import WorkerClient
-from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
+from ..ps.message import DTYPES, Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
@@ -108,9 +108,15 @@ class DistStore(KVStore):
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         self._client.check()
         batches: dict[int, tuple[list[Any], list[Any]]] = {}
+        limit = config.max_frame_bytes()  # (checked here, by every worker alike: worker 0's INIT would be refused, the others' wait)
         for meta, value in items:
+            if str(meta.dtype).removeprefix("torch.") not in DTYPES:
+                raise errors.InvalidValueError(f"{meta}: dtype {meta.dtype} cannot travel to the servers; supported: {', '.join(DTYPES)}")
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=meta.row_numel, chunk=chunk)
+            if limit and (most := max(p.numel for p in self._parts[meta.id]) * meta.dtype.itemsize) > limit:
+                raise errors.KVStoreError(f"{meta}: a part of {most} bytes (rows of shape {tuple(meta.shape[1:])} are not cut) is over "
+                                          f"PSKV_MAX_MESSAGE_BYTES={limit}; set it to at least {most} on every node (0: no limit)")
             # worker 0's value is everyone's (to_dense: a no-op on a dense value)
             flat = value.detach().to_dense().to("cpu").contiguous().view(-1) if self.rank == 0 else None
             for p in self._parts[meta.id]:

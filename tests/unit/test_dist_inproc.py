@@ -272,6 +272,31 @@ def test_a_row_sparse_push_to_a_key_without_elements(inproc_job: Job) -> None:
     assert job.run_workers(body) == [[[(5, 0), (5, 0)]] * 2] * 2
 
 
+def test_an_init_the_servers_cannot_take_is_refused_by_every_worker_naming_the_key(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows are never cut, so a part may pass PSKV_MAX_MESSAGE_BYTES: worker 0's INIT was refused ("INIT to server 0
+    has a frame of 16000 bytes", no key named) and the others waited PSKV_TIMEOUT for its value. A dtype the wire
+    has no name for was a ProtocolError naming no key."""
+    monkeypatch.setenv("PSKV_MAX_MESSAGE_BYTES", "4096")
+    monkeypatch.setenv("PSKV_CHUNK_BYTES", "1024")
+    monkeypatch.setenv("PSKV_TIMEOUT", "5")
+    job = inproc_job(2, 2)
+
+    def body(kv: KVStore) -> list[float]:
+        start = time.monotonic()
+        with pytest.raises(pskv.KVStoreError, match=r"key 'rows': a part of 16000 bytes .*PSKV_MAX_MESSAGE_BYTES=4096"):
+            kv.init(["ok", "rows"], [torch.ones(3), torch.zeros(2, 4000)])
+        with pytest.raises(pskv.InvalidValueError, match=r"key 'u16': dtype torch.uint16 cannot travel"):
+            kv.init("u16", torch.ones(3, dtype=torch.uint16))
+        assert time.monotonic() - start < 2
+        kv.init(["ok", "split"], [torch.ones(3), torch.zeros(4000)])  # (whole rows of 1 element: parts of 1 KB)
+        kv.push(["ok", "split"], [torch.ones(3), torch.ones(4000)])
+        out = torch.zeros(4000)
+        kv.pull("split", out)
+        return out.unique().tolist()
+
+    assert job.run_workers(body) == [[2.0], [2.0]]
+
+
 # -- failures: never a silent hang ----------------------------------------------------------------
 
 

@@ -202,8 +202,11 @@ def test_a_frame_over_the_limit(inproc_job: Job, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("PSKV_MAX_MESSAGE_BYTES", "4096")
     job = inproc_job(1, 1, tcp=True)
     with job.worker() as kv:
-        with pytest.raises(pskv.ProtocolError, match=r"INIT to server 0 has a frame of 8000 bytes; servers take at most 4096 \(PSKV_MAX_MESSAGE_BYTES"):
-            kv.init(0, torch.zeros(2000))
+        with pytest.raises(pskv.KVStoreError, match=r"key 0: a part of 8000 bytes .*PSKV_MAX_MESSAGE_BYTES=4096"):
+            kv.init(0, torch.zeros(2000))  # (every worker refuses such a key before sending)
+        big = Message(Type.SET_STATES, meta={"parts": []}, frames=[bytes(8000)])
+        with pytest.raises(pskv.ProtocolError, match=r"SET_STATES to server 0 has a frame of 8000 bytes; servers take at most 4096 \(PSKV_MAX"):
+            kv._client.send(0, big, "states").wait()  # type: ignore[attr-defined]
         kv.init(1, torch.zeros(10))
         out = torch.empty(10)
         kv.pushpull(1, torch.ones(10), out)
