@@ -163,12 +163,9 @@ class KVStore:
                                                 f"initialised with shape {tuple(meta.shape)}")
             if t.dtype != meta.dtype:
                 raise errors.DTypeMismatchError(f"{meta}: {what} has dtype {t.dtype} but the key was initialised with dtype {meta.dtype}")
-
-    @staticmethod
-    def _check_outs(meta: KeyMeta, outs: list[Tensor]) -> None:
-        if any(st == 0 and n > 1 for o in outs if not o.is_sparse for st, n in zip(o.stride(), o.shape)):
-            raise errors.InvalidValueError(f"{meta}: an out whose elements share memory (expanded: a stride of 0) cannot "
-                                           "hold a value; pull into a tensor of its own (.clone())")
+            if what == "out" and not t.is_sparse and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+                raise errors.InvalidValueError(f"{meta}: an out whose elements share memory (expanded: a stride of 0) cannot "
+                                               "hold a value; pull into a tensor of its own (.clone())")
 
     def _finite(self, groups: list[Group]) -> list[Group]:
         """A push's groups; with 1bit compression, NaN or Inf in any key is an error before any goes."""
@@ -187,8 +184,6 @@ class KVStore:
             if meta is None:
                 raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
             self._check_like(meta, ts, what)
-            if what == "out":
-                self._check_outs(meta, ts)
             groups.setdefault(meta.id if join else i, (meta, []))[1].extend(ts)
         return list(groups.values())
 
@@ -224,7 +219,7 @@ class KVStore:
         """The Trainer's calls without waiting, of its own parameters and their gradients, checked once when it
         was made (the checks were a fifth of a push's time per key): a push, a pull, or both (a pushpull). Shapes
         and dtypes are still compared (``param.data = ...`` may change them; a copy would convert or broadcast)."""
-        for groups, what in ((push, "pushed value"), (None if pull is push else pull, "out")):  # (a pushpull into its values: once)
+        for groups, what in ((push, "pushed value"), (None if pull is push else pull, "pulled parameter")):  # (a pushpull into its values: once)
             for meta, ts in groups or ():
                 self._check_like(meta, ts, what)
         if push is not None and pull is not None:
@@ -278,8 +273,7 @@ class KVStore:
     def broadcast(self, key: KeyArg, value: ValueArg, out: ValueArg, priority: int = 0) -> None:
         """``init(key, value)`` then ``pull(key, out)``: every worker gets rank 0's value."""
         for (k, vals), (_, outs) in zip(self._pairs(key, value, "value"), self._pairs(key, out, "out")):
-            self._check_like(meta := KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse), outs, "out")
-            self._check_outs(meta, outs)
+            self._check_like(KeyMeta(k, 0, vals[0].shape, vals[0].dtype, vals[0].is_sparse), outs, "out")
         self.init(key, value)
         self.pull(key, out, priority)
 
