@@ -60,6 +60,9 @@ class Proc:
 
     @property
     def returncode(self) -> Optional[int]:
+        with contextlib.suppress(OSError):  # it exited (not reaped yet, so the group is still its): what it left there goes too, as the guard's
+            if self.popen.returncode is None and os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                os.killpg(self.popen.pid, signal.SIGKILL)
         return self.popen.poll()
 
     def sample(self) -> None:

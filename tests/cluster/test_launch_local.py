@@ -88,6 +88,28 @@ def test_failing_worker_status_is_the_launchers_and_the_rest_stop(tmp_path: Path
         )
 
 
+def test_what_a_worker_leaves_in_its_group_is_stopped_with_it(tmp_path: Path) -> None:
+    """A worker's own children (a helper it started and did not stop) end when it does, as the guard's
+    COMMAND's do on the other launchers: worker 0 exits 0, worker 1 is killed by SIGKILL (the OOM
+    killer's way); both children ran on, orphaned, after pskv launch returned."""
+    script = """
+    import os, signal, subprocess, time
+    child = subprocess.Popen(["sleep", "300"])
+    print("child", child.pid, flush=True)
+    if os.environ["DMLC_WORKER_ID"] == "1":
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    mark = marker()
+    res = launch(tmp_path, script, 2, 0, env=mark, timeout=60)
+    left = wait_gone(mark, timeout=5)
+    for pid in left:  # (not for the next tests)
+        os.kill(pid, signal.SIGKILL)
+    assert res.code == 128 + signal.SIGKILL, res
+    assert sum(" child " in line for line in res.stdout.splitlines()) == 2, res
+    assert left == [], res
+
+
 def test_the_status_is_the_failed_workers_not_that_of_one_its_exit_failed(tmp_path: Path) -> None:
     """Worker 1 leaves the job and exits 3 a second later; worker 0's push fails at once, its error
     naming worker 1: the launcher waits for the worker named and reports it (it reported worker 0)."""
