@@ -62,6 +62,7 @@ class DistStore(KVStore):
         self._client = WorkerClient(env)
         # a store that is dropped, or alive at exit, is closed: the job learns this worker is done
         self._leaving: list[BaseException] = []  # what left its with block, if anything did
+        self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._closer = weakref.finalize(self, _close, self._client, self._leaving)
         try:
             self._client.start()
@@ -74,7 +75,6 @@ class DistStore(KVStore):
         self._chunk = config.chunk_bytes(self._client.across_hosts)
         self._parts: dict[int, list[Part]] = {}
         self._round_sent: dict[tuple[int, int], int] = {}  # (key, part) -> the round of our latest push of it
-        self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._before_push: dict[tuple[int, int], Handle] = {}  # (key, part) -> the call to wait for (_rounds)
         self._slot_busy: dict[tuple[int, int], Handle] = {}  # (key, part) -> the push still in its shared-memory slot
         self._streams: dict[tuple[torch.device, bool], Any] = {}  # side CUDA streams per device: copies to the host, from it
@@ -441,6 +441,7 @@ class DistStore(KVStore):
 
     def _close_impl(self) -> None:
         self._closer()
+        self._slots.clear()  # (views of the arenas)
 
     def __exit__(self, exc_type: Any, exc: Optional[BaseException], tb: Any) -> None:
         self._leaving += [exc] if exc is not None else []

@@ -376,6 +376,7 @@ class WorkerClient(Node):
             with self._receiving:
                 self.data.close(linger=2.0)
                 self.shared.close()
+                self.shared = shm.Shared()  # the arenas, ours and the servers' we mapped, go now (not with the store)
         if self.tracker.fatal is None:  # a push refused since the last call: this call is the next
             self.tracker.raise_failure()
 

@@ -7,6 +7,7 @@ import mmap
 import os
 import secrets
 import struct
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -25,6 +26,7 @@ class Arena:
     def __init__(self, size: int = DEFAULT_ARENA):
         self.size = size
         self.fd = os.memfd_create("pskv", os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd).atexit = False  # (the mapping has its own: the memory goes with both)
         os.ftruncate(self.fd, self.size)
         self.mm = mmap.mmap(self.fd, self.size)
         self.token = secrets.token_bytes(16)

@@ -6,6 +6,9 @@ these run in seconds and cover the failure paths in detail.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import os
 import re
 import threading
 import time
@@ -95,6 +98,34 @@ def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.Monkey
 
     expected = 2 if shm == "1" else 2 * len(keys)
     assert job.run_workers(body) == [expected] * 2
+
+
+def test_shared_memory_is_given_back_when_a_store_closes_and_a_server_ends(inproc_job: Job) -> None:
+    """The arenas' memory files (memfd) and mappings go when the store is closed (kept by its caller) and
+    the server ends: they stayed until the process ended, with the memory written there (a model's size
+    from each side)."""
+
+    def arenas() -> tuple[int, int]:
+        links = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        with open("/proc/self/maps") as maps:
+            return sum(link.startswith("/memfd:pskv") for link in links), sum("/memfd:pskv" in line for line in maps)
+
+    def body(kv: KVStore) -> KVStore:
+        kv.init(0, torch.zeros(1 << 20))
+        kv.pushpull(0, torch.ones(1 << 20))
+        assert kv._shm_servers  # type: ignore[attr-defined]
+        return kv  # closed by run_workers, and kept
+
+    gc.collect()
+    before = arenas()
+    job = inproc_job(2, 1)
+    stores = job.run_workers(body)
+    job.join()
+    gc.collect()
+    assert arenas() == before, stores
 
 
 def test_a_second_push_waits_for_the_next_round(inproc_job: Job) -> None:
