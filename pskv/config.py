@@ -78,6 +78,13 @@ encrypt = partial(getenv, "PSKV_ENCRYPT", False)
 shm = partial(getenv, "PSKV_SHM", "auto", choices=("auto", "0", "1"))
 
 
+def placement() -> dict[str, object]:
+    """The settings that say where keys' parts go and are kept: every worker needs the same, and
+    ``PSKV_REPLICAS`` the scheduler's too (it registers them; the scheduler compares)."""
+    chunk = chunk_bytes(False) if os.environ.get("PSKV_CHUNK_BYTES", "").strip() else "unset"  # (unset: by the hosts, alike)
+    return {"PSKV_BIGARRAY_BOUND": bigarray_bound(), "PSKV_CHUNK_BYTES": chunk, "PSKV_REPLICAS": replicas()}
+
+
 def chunk_bytes(across_hosts: bool) -> int:
     """Smaller parts across hosts let answers flow down a link while pushes flow up (benchmarks/RESULTS.md, 10)."""
     return getenv("PSKV_CHUNK_BYTES", 1 << 20 if across_hosts else 4 << 20, least=0)

@@ -182,6 +182,7 @@ class Node:
             "role": self.role, "endpoint": endpoint, "host": "inproc" if env.inproc else env.advertised_host(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "shm_host": host_identity(), "id": self.asked,
             "counts": [env.num_servers, env.num_workers],  # the scheduler's must be the same
+            **({"placement": config.placement()} if self.role == "worker" else {}),  # and every worker's
         }
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()

@@ -60,6 +60,7 @@ class Scheduler:
         self._pipe: Optional[IO[str]] = None  # to pskv launch (PSKV_PORT_FD)
         self.admits: dict[str, Message] = {}  # joining worker -> its first BARRIER (an allgather)
         self.acks: Optional[set[str]] = None  # the servers yet to count the joining workers in
+        self.refused: list[str] = []  # the nodes refused at registration, and why
 
     def _members(self, group: str) -> list[_Node]:
         """The nodes of ``group`` ("server", "worker" or "all"), servers first, by rank."""
@@ -94,6 +95,10 @@ class Scheduler:
                             self._handle(peer, msg)
                         except ClusterError as exc:
                             self.van.post(peer, error_reply(msg, exc))
+                            if msg.type == Type.REGISTER:  # (said here, and again if the start fails: why that node never came)
+                                who = msg.meta or {}
+                                self.refused.append(f"{who.get('role')} on {who.get('hostname')} (pid {who.get('pid')}): {exc}")
+                                print(f"pskv scheduler: refused a {self.refused[-1]}", file=sys.stderr, flush=True)
                 now = time.monotonic()
                 if not self.started and now > start_deadline:
                     self._fail_start()
@@ -138,6 +143,8 @@ class Scheduler:
         if (counts := meta.get("counts")) != (ours := [self.env.num_servers, self.env.num_workers]):  # (a server's sums rounds of its count)
             raise ClusterError(f"this {role} has [DMLC_NUM_SERVER, DMLC_NUM_WORKER] = {counts}, the scheduler {ours}: every process "
                                "of a job must be started with the same counts")
+        if role == "worker":
+            self._check_placement(meta)
         want = self.env.num_servers if role == "server" else self.env.num_workers
         workers = [n for n in self.nodes.values() if n.role == "worker"]
         lost = sorted({n.rank for n in workers if n.lost} - {n.rank for n in workers if not n.lost}) if self.started and role == "worker" else []
@@ -157,6 +164,17 @@ class Scheduler:
         self._tell(f"registered {role}")
         if len(self._members("server")) == self.env.num_servers and len(self._members("worker")) == self.env.num_workers:
             self._start()
+
+    def _check_placement(self, meta: dict[str, Any]) -> None:
+        """A worker whose keys' parts would go elsewhere than the first worker's (or, PSKV_REPLICAS,
+        be kept otherwise than the scheduler expects: it went on after a lost server with no copy) is refused."""
+        first = next((n.meta for n in self.nodes.values() if n.role == "worker"), meta)
+        theirs, agreed = meta.get("placement") or {}, {**(first.get("placement") or {}), "PSKV_REPLICAS": self.replicas}
+        if wrong := [k for k in agreed if theirs.get(k) != agreed[k]]:
+            name = wrong[0]
+            by = "the scheduler" if name == "PSKV_REPLICAS" else f"the worker on {first.get('hostname')} (pid {first.get('pid')})"
+            raise ClusterError(f"this worker has {name}={theirs.get(name)}, {by} {agreed[name]}: every worker of a job (and the "
+                               "scheduler, for PSKV_REPLICAS) must be started with the same")
 
     def _start(self) -> None:
         for role in ("server", "worker"):
@@ -192,7 +210,8 @@ class Scheduler:
         missing = (f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
                    f"{self.env.num_workers} workers registered with the scheduler at {self.bound}"
                    f"{'; not registered: ' + ', '.join(absent) if absent else ''}"
-                   f"{'' if have_w else ' (no worker made a dist store yet: a program that needs no servers runs with -s 0)'}")
+                   f"{'' if have_w else ' (no worker made a dist store yet: a program that needs no servers runs with -s 0)'}"
+                   f"{'; refused: a ' + '; a '.join(self.refused[-3:]) if self.refused else ''}")
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)
         for n in self.nodes.values():
             self.van.post(n.peer, error_reply(None, exc))

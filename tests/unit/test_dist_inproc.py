@@ -535,6 +535,53 @@ def test_a_node_started_with_other_counts_is_refused_naming_them(monkeypatch: py
         scheduler.join(30)
 
 
+def test_workers_started_with_other_placement_settings_are_refused_naming_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Roles started by hand with different PSKV_REPLICAS: a scheduler with 1 and workers with 0 went on
+    after a lost server whose parts no backup had (its keys came back wrong, and every process exited 0);
+    different PSKV_BIGARRAY_BOUND or PSKV_CHUNK_BYTES put the workers' parts on different servers (an
+    init that waited PSKV_TIMEOUT for worker 0's value, or a shape mismatch blaming the program). The
+    scheduler refuses such a worker at once, naming the setting and whom it differs from, and its
+    start-timeout error, which every waiting process gets, says so too."""
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "3")
+    monkeypatch.setenv("PSKV_REPLICAS", "1")
+    root = f"inproc://pskv-test-placement-{uuid.uuid4().hex[:8]}"
+    scheduler = Scheduler(JobEnv("scheduler", root, 0, num_workers=2, num_servers=2))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    monkeypatch.setenv("PSKV_REPLICAS", "0")
+    first = Node(JobEnv("worker", root, 0, num_workers=2, num_servers=2))
+    with pytest.raises(pskv.ClusterError, match="this worker has PSKV_REPLICAS=0, the scheduler 1"):
+        first.join(None)
+    first.van.close(0)
+    monkeypatch.setenv("PSKV_REPLICAS", "1")
+    nodes = [Node(JobEnv("worker", root, 0, num_workers=2, num_servers=2)) for _ in range(2)]
+    told: list[str] = []
+
+    def wait() -> None:
+        try:
+            nodes[0].join(None)
+        except pskv.ClusterError as exc:
+            told.append(str(exc))
+
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    time.sleep(0.5)
+    monkeypatch.setenv("PSKV_BIGARRAY_BOUND", "1000000")
+    try:
+        with pytest.raises(pskv.ClusterError, match=rf"PSKV_BIGARRAY_BOUND=1000000, the worker on \S+ \(pid {os.getpid()}\) 65536"):
+            nodes[1].join(None)
+    finally:
+        waiting.join(30)
+        for node in nodes:
+            node.van.close(0)
+        thread.join(30)
+    assert scheduler.status == 1 and len(scheduler.refused) == 2 and "PSKV_BIGARRAY_BOUND=1000000" in scheduler.refused[1]
+    assert len(told) == 1 and "start waited" in told[0] and "refused: a worker on" in told[0] and "PSKV_BIGARRAY_BOUND=1000000" in told[0], told
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first
@@ -564,8 +611,9 @@ def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeyp
         t.start()
     for t in [*threads, scheduler]:
         t.join(30)
-    refused = [e for e in errors if re.search(rf"DMLC_WORKER_ID=0 again: the worker on \S+ \(pid {os.getpid()}\) has it", e)]
+    refused = [e for e in errors if re.search(rf"this worker: DMLC_WORKER_ID=0 again: the worker on \S+ \(pid {os.getpid()}\) has it", e)]
     assert len(errors) == 2 and len(refused) == 1, errors
+    assert all("DMLC_WORKER_ID=0 again" in e for e in errors), errors  # the first's start-timeout error says why too
 
 
 def test_a_job_whose_scheduler_is_at_an_ipv6_address_runs(inproc_job: Job) -> None:
