@@ -66,7 +66,8 @@ class DistStore(KVStore):
         self._closer = weakref.finalize(self, _close, self._client, self._leaving)
         try:
             self._client.start()
-        except BaseException:
+        except BaseException as exc:
+            self._leaving.append(exc)  # (joined, then failed: the job hears why, not that it finished)
             self.close()
             raise
         timeline.start("worker", self._client.rank)

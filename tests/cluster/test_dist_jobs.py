@@ -166,6 +166,39 @@ def test_a_worker_dying_of_an_uncaught_exception_failed_it_did_not_finish(tmp_pa
     assert "finished" not in outs["worker 0"][1], outs
 
 
+def test_a_worker_whose_store_fails_after_it_joined_failed_it_did_not_finish(tmp_path: Path) -> None:
+    """Started by hand, worker 0 with PSKV_SHM=1 and the server with PSKV_SHM=0: worker 0 joins, then its
+    store fails to start (a ClusterError naming both settings). Its store closed as if it had finished, so
+    the scheduler said 'worker 0 finished' and worker 1's init waited PSKV_TIMEOUT for worker 0's value
+    ('worker 0 sends it and has not'). Now every process names worker 0's failure, at once."""
+    import os
+    import subprocess
+    import time
+
+    from pskv.launch.local import free_port
+
+    (script := tmp_path / "w.py").write_text("import torch, pskv\nkv = pskv.kv.create('dist_sync')\nkv.init('w', torch.zeros(4))\n")
+    base = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DMLC_PS_ROOT_URI": "127.0.0.1",
+            "DMLC_PS_ROOT_PORT": str(free_port()), "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "PSKV_TIMEOUT": "120"}  # fmt: skip
+    serve = [sys.executable, "-m", "pskv", "serve"]
+    procs = {name: subprocess.Popen(argv, env={**base, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, argv, env in [("scheduler", serve, {"DMLC_ROLE": "scheduler"}), ("server", serve, {"DMLC_ROLE": "server", "PSKV_SHM": "0"}),
+                                     ("worker 0", [sys.executable, str(script)], {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "0", "PSKV_SHM": "1"}),
+                                     ("worker 1", [sys.executable, str(script)], {"DMLC_ROLE": "worker", "DMLC_WORKER_ID": "1"})]}  # fmt: skip
+    until, outs = time.monotonic() + 60, {}
+    for name, p in procs.items():  # (one overdue is killed: its output still shows below)
+        try:
+            outs[name] = p.communicate(timeout=max(0.1, until - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs[name] = p.communicate()
+    codes = {name: p.returncode for name, p in procs.items()}
+    assert codes == {"scheduler": 1, "server": 1, "worker 0": 1, "worker 1": 1}, (codes, outs)
+    failed = (f"worker 0 (host {socket.gethostname()}, pid {procs['worker 0'].pid}) failed: it exited with an uncaught "
+              "pskv.errors.ClusterError: PSKV_SHM=1, but shared memory with server 0 failed")
+    assert all(failed in outs[name][1] for name in ("scheduler", "server", "worker 1")), outs
+
+
 @pytest.mark.parametrize("within", [False, True], ids=["store closed at exit", "store closed by its with block"])
 def test_min_workers_the_job_goes_on_without_a_worker_that_raised(tmp_path: Path, within: bool) -> None:
     """SPEC "Going on without a worker": a worker that exited with an error (here an uncaught
