@@ -167,7 +167,7 @@ class Rounds:
             if p.value is not None:
                 out += p.inits
                 p.inits = []
-        return out
+        return out + self._fail_inits()
 
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
         """Queue (sync) or apply (async) pushed gradients; acknowledge each now or once merged."""
@@ -339,7 +339,15 @@ class Rounds:
         if rank not in self.workers:  # lost earlier: no round needs it
             return []
         self.finished.add(rank)
-        return [a for p in self.parts.values() for a in self._fail_blocked(p)]
+        return [a for p in self.parts.values() for a in self._fail_blocked(p)] + self._fail_inits()
+
+    def _fail_inits(self) -> list[Answer]:
+        """Fail the inits that wait for a value worker 0 finished without sending (they waited ``PSKV_TIMEOUT``)."""
+        out = []
+        for p in self.parts.values() if 0 in self.finished else ():
+            out += [replace(w, error=finished_without("worker 0", f"sending the init value of key {p.name}")) for w in p.inits]
+            p.inits = []
+        return out
 
     def lose(self, rank: int) -> list[Answer]:
         """Worker ``rank`` failed and the job goes on without it (``PSKV_MIN_WORKERS``): its pushes

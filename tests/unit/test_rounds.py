@@ -193,6 +193,20 @@ def test_a_finished_worker_fails_the_rounds_that_need_it_at_once() -> None:
         push(r, 1, 1, 1.0)
 
 
+def test_inits_waiting_for_the_value_of_a_finished_worker_0_fail_at_once() -> None:
+    """Worker 0 sends every init value; one that closed its store at once (a program that leaves early, by
+    hand or under pskv launch) left the other workers' inits waiting PSKV_TIMEOUT, then blamed it for not
+    sending. They fail when it finishes, and an init that comes later fails at once; keys it sent still init."""
+    r = Rounds(3, timeout=10.0)
+    assert r.init("w1", 1, "sync", [entry(key=0)]) == []
+    assert answered(r.init("w0", 0, "sync", [entry(key=1, value=torch.ones(4))])) == [("w0", 0)]
+    failed = r.finish(0)
+    assert [a.req for a in failed] == ["w1"] and isinstance(failed[0].error, NodeFailedError), failed
+    assert "worker 0 finished (closed its store) without sending the init value of key 0" in str(failed[0].error)
+    later = r.init("w2", 2, "sync", [entry(key=0), entry(key=1)])
+    assert [(a.req, a.entry, type(a.error)) for a in later] == [("w2", 1, type(None)), ("w2", 0, NodeFailedError)], later
+
+
 def test_the_expiry_sweep_looks_only_at_parts_with_requests_waiting() -> None:
     """A server sweeps for late requests every 0.5 s. It built two lists for every part it holds,
     waiting or not: 25 ms a sweep for 20,000 keys, a server's CPU spent on an idle store. Parts
