@@ -208,6 +208,8 @@ class Node:
                     self.rank, self.rejoined = int(table["rank"]), bool(table.get("rejoined"))
                     self.van.identity = (self.role, self.rank)
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])
+                    if (beat := float(table.get("heartbeat") or self.hb_interval)) < self.hb_interval:  # the scheduler's timeout is shorter
+                        self.hb_interval, self._next_hb = beat, 0.0
                     self.last_heard = time.monotonic()
                 elif msg.type != Type.HEARTBEAT_ACK:  # news sent right after the table (SERVER_LOST, WORKER_LEFT): the caller's
                     early.append((peer, msg))

@@ -189,10 +189,11 @@ class Scheduler:
             self.van.post(n.peer, Message(Type.NODES, meta={"rank": n.rank, **self._table()}))
         say("scheduler", "all nodes registered; job started")
 
-    def _table(self) -> dict[str, list[dict[str, Any]]]:
+    def _table(self) -> dict[str, Any]:
         """The node table: every rank's latest node (a lost server's marked: a worker that rejoins skips it)."""
         latest = {(n.role, n.rank): {**n.info(), **({"lost": True} if n.lost else {})} for n in self.nodes.values()}
-        return {f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")}
+        return {**{f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")},
+                "heartbeat": config.heartbeat_interval()}  # (how often we need to hear from each node: PSKV_HEARTBEAT_*)
 
     def _rejoin(self, peer: str, meta: dict[str, Any], rank: int) -> None:
         """A worker registers in the place of lost worker ``rank`` (pskv launch --max-restarts): it

@@ -582,6 +582,31 @@ def test_workers_started_with_other_placement_settings_are_refused_naming_them(m
     assert len(told) == 1 and "start waited" in told[0] and "refused: a worker on" in told[0] and "PSKV_BIGARRAY_BOUND=1000000" in told[0], told
 
 
+def test_a_node_beats_as_often_as_the_schedulers_heartbeat_timeout_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Roles started by hand, the scheduler with PSKV_HEARTBEAT_TIMEOUT=0.6 and a worker without (a beat a
+    second): the scheduler declared the healthy worker dead ('no heartbeat for 0.6 s') and ended the job.
+    The node table says how often the scheduler needs to hear, and a node that beats slower speeds up."""
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    root = f"inproc://pskv-test-beat-{uuid.uuid4().hex[:8]}"
+    node = Node(JobEnv("worker", root, 0, num_workers=1, num_servers=0))  # its own setting: 1 s
+    monkeypatch.setenv("PSKV_HEARTBEAT_TIMEOUT", "0.6")
+    scheduler = Scheduler(JobEnv("scheduler", root, 0, num_workers=1, num_servers=0))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    try:
+        node.join(None)
+        until = time.monotonic() + 2.0
+        while time.monotonic() < until and scheduler.status is None:
+            node.van.recv(0.05)
+            node.tick(time.monotonic())
+        assert scheduler.status is None and node.hb_interval == pytest.approx(0.2), node.hb_interval
+    finally:
+        node.van.close(0)
+        thread.join(30)
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first
