@@ -109,7 +109,7 @@ class DistStore(KVStore):
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         self._client.check()
         batches: dict[int, tuple[list[Any], list[Any]]] = {}
-        limit = config.max_frame_bytes()  # (checked here, by every worker alike: worker 0's INIT would be refused, the others' wait)
+        limit = self._client.data.max_frame  # the servers' (checked here, by every worker alike: worker 0's INIT would be refused, the others' wait)
         for meta, value in items:
             if str(meta.dtype).removeprefix("torch.") not in DTYPES:
                 raise errors.InvalidValueError(f"{meta}: dtype {meta.dtype} cannot travel to the servers; supported: {', '.join(DTYPES)}")

@@ -98,7 +98,8 @@ class WorkerClient(Node):
             raise
         self.lost_servers = {s for s, info in enumerate(self.servers) if info.get("lost")}
         self._batch_bytes, self._window = config.batch_bytes(self.across_hosts), config.window_bytes(self.across_hosts)
-        self.data.identity, self.data.max_frame = ("worker", self.rank), config.max_frame_bytes()
+        limits = [int(info.get("max_frame", config.max_frame_bytes())) for info in self.servers]  # (each server's own PSKV_MAX_MESSAGE_BYTES)
+        self.data.identity, self.data.max_frame = ("worker", self.rank), min([n for n in limits if n > 0], default=0)
         sndbuf = self._window // 2 if self._window < config.KERNEL_SNDBUF else 0  # (the kernel doubles it)
         for s, info in enumerate(self.servers):
             self.data.connect(f"server {s}", info["endpoint"])

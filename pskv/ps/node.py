@@ -182,7 +182,8 @@ class Node:
             "role": self.role, "endpoint": endpoint, "host": "inproc" if env.inproc else env.advertised_host(),
             "hostname": socket.gethostname(), "pid": os.getpid(), "shm_host": host_identity(), "id": self.asked,
             "counts": [env.num_servers, env.num_workers],  # the scheduler's must be the same
-            **({"placement": config.placement()} if self.role == "worker" else {}),  # and every worker's
+            # every worker's must be the same (the scheduler compares); the biggest frame a server takes, for the workers
+            **({"placement": config.placement()} if self.role == "worker" else {"max_frame": config.max_frame_bytes()}),
         }
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
         wait = config.start_timeout()

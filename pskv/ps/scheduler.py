@@ -31,7 +31,7 @@ class _Node:
 
     def info(self) -> dict[str, Any]:
         """This node's row of the node table."""
-        shared = ("endpoint", "host", "hostname", "pid", "shm_host")
+        shared = ("endpoint", "host", "hostname", "pid", "shm_host", "max_frame")
         return {"role": self.role, "rank": self.rank, **{k: self.meta.get(k) for k in shared}}
 
     def __str__(self) -> str:

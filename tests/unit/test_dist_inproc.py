@@ -607,6 +607,26 @@ def test_a_node_beats_as_often_as_the_schedulers_heartbeat_timeout_needs(monkeyp
         thread.join(30)
 
 
+def test_workers_check_inits_against_the_servers_frame_limit_not_their_own(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server started with a smaller PSKV_MAX_MESSAGE_BYTES than the workers' (roles started by hand):
+    worker 0's INIT passed its own check, the server disconnected it for the frame, and the init waited
+    PSKV_TIMEOUT for 'worker 0 sends it and has not'. The node table carries each server's limit."""
+    from pskv import config
+
+    own = config.max_frame_bytes  # the worker's: 64 MB
+    monkeypatch.setattr(config, "max_frame_bytes", lambda: 4096 if threading.current_thread().name.startswith("server") else own())
+    monkeypatch.setenv("PSKV_TIMEOUT", "5")
+    job = inproc_job(1, 1, tcp=True)
+
+    def body(kv: KVStore) -> list[float]:
+        with pytest.raises(pskv.KVStoreError, match=r"key 'big': a part of 16000 bytes .*PSKV_MAX_MESSAGE_BYTES=4096"):
+            kv.init("big", torch.zeros(4000))
+        kv.init("ok", torch.ones(3))
+        return kv.pushpull("ok", torch.ones(3), out=torch.empty(3)) or []
+
+    assert job.run_workers(body, timeout=60) == [[]]
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first
