@@ -20,10 +20,11 @@ from .message import Message, Type
 from .van import ROLES, PeerGone, PeerUnreachable, Van
 
 _LOOPBACK = ("127.", "localhost", "::1")
+MOST_NODES = 1 << 16  # of a role: a bigger DMLC_NUM_* is a typo (it was a traceback, or a scheduler that filled memory naming the absent)
 _LAUNCH = "start the program with `pskv launch -n WORKERS -s SERVERS -- COMMAND`"
 
 
-def _int(environ: Mapping[str, str], name: str, low: int) -> int:
+def _int(environ: Mapping[str, str], name: str, low: int, high: Optional[int] = None) -> int:
     if not (raw := environ.get(name, "").strip()):
         raise ClusterError(f"{name} is not set: a dist store needs the job's environment ({_LAUNCH})")
     try:
@@ -32,6 +33,8 @@ def _int(environ: Mapping[str, str], name: str, low: int) -> int:
         raise ClusterError(f"{name}={raw!r} is not an integer") from None
     if value < low:
         raise ClusterError(f"{name}={value} must be >= {low}")
+    if high is not None and value > high:
+        raise ClusterError(f"{name}={value} is more than a job can have (at most {high})")
     return value
 
 
@@ -63,7 +66,7 @@ class JobEnv:
             raise ClusterError("the job has no servers (DMLC_NUM_SERVER=0, `pskv launch -s 0`): a dist store needs at least "
                                "one; launch with -s 1 or more, or use a local or device store")
         port = 0 if uri.startswith("inproc://") else _int(env, "DMLC_PS_ROOT_PORT", 0)
-        workers, servers = _int(env, "DMLC_NUM_WORKER", 1), _int(env, "DMLC_NUM_SERVER", 0)
+        workers, servers = _int(env, "DMLC_NUM_WORKER", 1, MOST_NODES), _int(env, "DMLC_NUM_SERVER", 0, MOST_NODES)
         wid, sid = (_int(env, name, 0) if env.get(name, "").strip() else None for name in ("DMLC_WORKER_ID", "DMLC_SERVER_ID"))
         if port > 65535 or (port == 0 and role != "scheduler" and not uri.startswith("inproc://")):  # (0: the launcher's scheduler picks one)
             raise ClusterError(f"DMLC_PS_ROOT_PORT={port} is not a port to reach the scheduler at (1 to 65535)")

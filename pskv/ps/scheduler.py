@@ -210,7 +210,7 @@ class Scheduler:
                   for i in range(want) if (r, i) not in ids and (r, None) not in ids]  # fmt: skip
         missing = (f"every node to register: {have_s} of {self.env.num_servers} servers and {have_w} of "
                    f"{self.env.num_workers} workers registered with the scheduler at {self.bound}"
-                   f"{'; not registered: ' + ', '.join(absent) if absent else ''}"
+                   f"{'; not registered: ' + ', '.join(absent[:16]) if absent else ''}{f' and {len(absent) - 16} more' if len(absent) > 16 else ''}"
                    f"{'' if have_w else ' (no worker made a dist store yet: a program that needs no servers runs with -s 0)'}"
                    f"{'; refused: a ' + '; a '.join(self.refused[-3:]) if self.refused else ''}")
         exc = deadline("the job's start", config.start_timeout(), "PSKV_START_TIMEOUT", config.start_timeout(), missing)

@@ -627,6 +627,18 @@ def test_workers_check_inits_against_the_servers_frame_limit_not_their_own(inpro
     assert job.run_workers(body, timeout=60) == [[]]
 
 
+def test_the_start_timeout_names_a_few_of_many_absent_nodes(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A job of 5000 workers that none joined: the scheduler's error named all 5001 absent nodes in one line,
+    sent to every node (with DMLC_NUM_WORKER=1e10 it filled the scheduler's memory and never said anything)."""
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "0.5")
+    assert Scheduler(JobEnv("scheduler", f"inproc://pskv-test-many-{uuid.uuid4().hex[:8]}", 0, num_workers=5000, num_servers=1)).run() == 1
+    said = capsys.readouterr().err
+    assert "not registered: server 0, worker 0, worker 1," in said and "worker 14 and 4985 more" in said and len(said) < 1000, said
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first

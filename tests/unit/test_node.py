@@ -29,6 +29,8 @@ def test_reads_the_contract() -> None:
         ({"DMLC_PS_ROOT_PORT": "0"}, "DMLC_PS_ROOT_PORT=0 is not a port"),  # both waited PSKV_START_TIMEOUT
         ({"DMLC_PS_ROOT_PORT": "70000"}, "DMLC_PS_ROOT_PORT=70000 is not a port"),
         ({"DMLC_NUM_WORKER": "0"}, "DMLC_NUM_WORKER=0 must be >= 1"),
+        ({"DMLC_NUM_WORKER": "99999999999999999999"}, "DMLC_NUM_WORKER=99999999999999999999 is more than a job can have"),  # a server's
+        ({"DMLC_NUM_SERVER": "100000"}, "DMLC_NUM_SERVER=100000 is more than a job can have"),  # traceback; a scheduler's full memory
         ({"DMLC_NUM_SERVER": ""}, "DMLC_NUM_SERVER is not set"),
         ({"DMLC_WORKER_ID": "3"}, "DMLC_WORKER_ID=3 but the job has DMLC_NUM_WORKER=3"),
         ({"DMLC_INTERFACE": "nosuchif0"}, "DMLC_INTERFACE='nosuchif0'"),
