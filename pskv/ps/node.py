@@ -70,17 +70,18 @@ class JobEnv:
         wid, sid = (_int(env, name, 0) if env.get(name, "").strip() else None for name in ("DMLC_WORKER_ID", "DMLC_SERVER_ID"))
         if port > 65535 or (port == 0 and role != "scheduler" and not uri.startswith("inproc://")):  # (0: the launcher's scheduler picks one)
             raise ClusterError(f"DMLC_PS_ROOT_PORT={port} is not a port to reach the scheduler at (1 to 65535)")
-        try:  # (a name that does not resolve waited PSKV_START_TIMEOUT for the scheduler)
-            if not uri.startswith("inproc://"):
-                socket.getaddrinfo(uri, port)
-        except socket.gaierror as exc:
-            if exc.errno == socket.EAI_NONAME:  # (not a DNS server that failed for now: zmq tries again)
-                raise ClusterError(f"DMLC_PS_ROOT_URI={uri!r}: cannot resolve that name ({exc.strerror})") from None
+        host, interface = env.get("DMLC_NODE_HOST", "").strip() or None, env.get("DMLC_INTERFACE", "").strip() or None
+        for name, value in (("DMLC_PS_ROOT_URI", uri), ("DMLC_NODE_HOST", host)):
+            try:  # (a name that does not resolve waited PSKV_START_TIMEOUT for the scheduler, or was advertised)
+                if value and not value.startswith("inproc://"):
+                    socket.getaddrinfo(value, port)
+            except socket.gaierror as exc:
+                if exc.errno == socket.EAI_NONAME:  # (not a DNS server that failed for now: zmq tries again)
+                    raise ClusterError(f"{name}={value!r}: cannot resolve that name ({exc.strerror})") from None
         if role == "worker" and wid is not None and wid >= workers:
             raise ClusterError(f"DMLC_WORKER_ID={wid} but the job has DMLC_NUM_WORKER={workers} workers")
         if role == "server" and sid is not None and sid >= servers:
             raise ClusterError(f"DMLC_SERVER_ID={sid} but the job has DMLC_NUM_SERVER={servers} servers")
-        host, interface = env.get("DMLC_NODE_HOST", "").strip() or None, env.get("DMLC_INTERFACE", "").strip() or None
         return cls(role, uri, port, workers, servers, wid if role == "worker" else None, sid if role == "server" else None, host, interface)
 
     @property
@@ -99,6 +100,12 @@ class JobEnv:
         if self.inproc:
             return f"{self.root_uri}/{self.role}/{uuid.uuid4().hex[:8]}"
         return f"tcp://{bind_address(self.advertised_host())}:0"
+
+    def reachable(self, bound: str) -> str:
+        """The endpoint others reach ``bound`` at: one bound to every interface (``DMLC_NODE_HOST`` is no address
+        of this host: behind NAT, in a container) is at the advertised host, as ps-lite's (it said tcp://0.0.0.0)."""
+        host = self.advertised_host()
+        return bound if ":" in host else bound.replace("//0.0.0.0:", f"//{host}:", 1)  # (an IPv6 host: bound to IPv4's 0.0.0.0)
 
     def advertised_host(self) -> str:
         """The address other nodes use to reach this node."""

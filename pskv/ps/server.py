@@ -93,7 +93,7 @@ class Server(Node):
         self._outbox: dict[_Request, tuple[list[tuple[int, int, int, int]], list[Any]]] = {}
 
     def run(self) -> int:
-        endpoint = self.van.listen(self.env.listen_endpoint(), config.max_frame_bytes())
+        endpoint = self.env.reachable(self.van.listen(self.env.listen_endpoint(), config.max_frame_bytes()))
         try:
             backlog = self.join(endpoint)
         except PSKVError as exc:

@@ -639,6 +639,27 @@ def test_the_start_timeout_names_a_few_of_many_absent_nodes(monkeypatch: pytest.
     assert "not registered: server 0, worker 0, worker 1," in said and "worker 14 and 4985 more" in said and len(said) < 1000, said
 
 
+def test_a_server_whose_node_host_is_not_on_this_host_is_advertised_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DMLC_NODE_HOST is the address others reach a node at (behind NAT, in a container: not an address of
+    this host, which then binds every interface). The server registered tcp://0.0.0.0:PORT, which a worker
+    on another host takes for itself; it registers DMLC_NODE_HOST's address, as ps-lite does."""
+    from pskv.launch.spec import free_port
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+    from pskv.ps.server import Server
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "2")
+    port = free_port()
+    scheduler = Scheduler(JobEnv("scheduler", "127.0.0.1", port, num_workers=1, num_servers=1))
+    threads = [threading.Thread(target=scheduler.run, daemon=True),
+               threading.Thread(target=Server(JobEnv("server", "127.0.0.1", port, 1, 1, node_host="192.0.2.7")).run, daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [n.meta["endpoint"].rsplit(":", 1)[0] for n in scheduler.nodes.values()] == ["tcp://192.0.2.7"]
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first

@@ -35,6 +35,7 @@ def test_reads_the_contract() -> None:
         ({"DMLC_WORKER_ID": "3"}, "DMLC_WORKER_ID=3 but the job has DMLC_NUM_WORKER=3"),
         ({"DMLC_INTERFACE": "nosuchif0"}, "DMLC_INTERFACE='nosuchif0'"),
         ({"DMLC_PS_ROOT_URI": "nosuchhost.invalid"}, "DMLC_PS_ROOT_URI='nosuchhost.invalid': cannot resolve"),  # these two
+        ({"DMLC_NODE_HOST": "nosuchhost.invalid"}, "DMLC_NODE_HOST='nosuchhost.invalid': cannot resolve"),  # (was advertised)
         ({"DMLC_NUM_SERVER": "0"}, r"the job has no servers \(DMLC_NUM_SERVER=0"),  # waited, or blamed the launch
     ],
 )
