@@ -18,7 +18,7 @@ variable                   default  meaning
 ``PSKV_ENCRYPT``           0        1: encrypt every connection (CURVE, keys derived from the secret; slower, docs/DESIGN.md)
 ``PSKV_SHM``               auto     shared memory between nodes on one host: auto, 0 (off), 1 (required)
 ``PSKV_SERVER_THREADS``    auto     torch threads of a server; auto (0): the host's cores shared among the job's processes on it
-``PSKV_VERBOSE``           0        1: log node start-up, registration and shutdown to stderr (ps-lite's ``PS_VERBOSE`` >= 1 too)
+``PSKV_VERBOSE``           0        1: log node start-up, registration (where, what was joined) and shutdown to stderr (ps-lite's ``PS_VERBOSE`` >= 1 too)
 ``PSKV_TIMELINE``          (off)    a path: every process records a timeline there (:mod:`pskv.ps.timeline`)
 ``PSKV_LIFELINE``          (set)    ``fd:inode`` of a pipe from ``pskv launch``: its end stops every process of the job
 ``PSKV_SSH``               ssh      the command ``pskv launch --launcher ssh`` reaches hosts with

@@ -24,7 +24,7 @@ from ..errors import (
 )
 from . import shm, timeline
 from .message import PULL, PUSH, Message, Type
-from .node import JobEnv, Node, failure, host_identity
+from .node import JobEnv, Node, failure, host_identity, say
 from .tracker import BATCHED, Entry, Handle, OnReply, Request, Tracker
 from .van import PeerGone, PeerUnreachable, Van
 
@@ -122,6 +122,7 @@ class WorkerClient(Node):
             except ProtocolError as exc:
                 if want == "1":
                     raise ClusterError(f"PSKV_SHM=1, but shared memory with server {s} failed: {exc}") from None
+        say(self.name, f"joined: {len(self.workers)} workers, {len(self.servers)} servers; shared memory with servers {sorted(self.shm_servers)}")
 
     def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Handle:
         """Send one whole message to server ``to`` (or :data:`SCHEDULER`); ``what`` names it in errors."""

@@ -196,6 +196,7 @@ class Node:
             **({"placement": config.placement()} if self.role == "worker" else {"max_frame": config.max_frame_bytes()}),
         }
         self.van.send("scheduler", Message(Type.REGISTER, meta=meta))
+        say(self.role, f"registering with the scheduler at {env.scheduler_endpoint} (pid {os.getpid()}); waiting for the node table")
         wait = config.start_timeout()
         until = time.monotonic() + wait + 2.0  # the scheduler's error, naming who is missing, comes first
         early: list[tuple[str, Message]] = []

@@ -660,6 +660,19 @@ def test_a_server_whose_node_host_is_not_on_this_host_is_advertised_there(monkey
     assert [n.meta["endpoint"].rsplit(":", 1)[0] for n in scheduler.nodes.values()] == ["tcp://192.0.2.7"]
 
 
+def test_a_verbose_worker_says_where_it_registers_and_what_it_joined(inproc_job: Job, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """PS_VERBOSE=1 (PSKV_VERBOSE=1) logged the scheduler's and the servers' start, and nothing of a worker:
+    one started by hand at a wrong scheduler address waited PSKV_START_TIMEOUT without a word."""
+    monkeypatch.setenv("PS_VERBOSE", "1")
+    job = inproc_job(1, 1)
+    with job.worker():
+        pass
+    said = capsys.readouterr().err
+    assert f"pskv worker: registering with the scheduler at {job.root} (pid {os.getpid()})" in said, said
+    assert "pskv worker 0: joined: 1 workers, 1 servers; shared memory with servers [" in said, said
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first
