@@ -203,7 +203,8 @@ class Server(Node):
         if msg.type == Type.HELLO:
             return self._hello(peer, req)
         if (rank := self.ranks.get(peer)) is None:
-            raise ProtocolError(f"a {msg.type.name} on a connection that has not said HELLO")
+            wrong = f": this is {self.name}, not the scheduler (check DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT)" if msg.type == Type.REGISTER else ""
+            raise ProtocolError(f"a {msg.type.name} on a connection that has not said HELLO{wrong}")
         t0 = timeline.now()
         if msg.type == Type.INIT:
             self._deliver(self.rounds.init(req, rank, str(meta.get("mode")), self._init_entries(msg)))

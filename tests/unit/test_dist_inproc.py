@@ -673,6 +673,21 @@ def test_a_verbose_worker_says_where_it_registers_and_what_it_joined(inproc_job:
     assert "pskv worker 0: joined: 1 workers, 1 servers; shared memory with servers [" in said, said
 
 
+def test_a_node_pointed_at_a_server_instead_of_the_scheduler_is_told_so(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DMLC_PS_ROOT_PORT set by hand to a server's port: the server answered 'the scheduler refused this
+    worker: a REGISTER on a connection that has not said HELLO', naming neither itself nor the variables."""
+    from pskv.ps.node import JobEnv
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "5")
+    with inproc_job(1, 1).worker() as kv:
+        lost = Node(JobEnv("worker", kv._client.servers[0]["endpoint"], 0, num_workers=1, num_servers=1))  # type: ignore[attr-defined]
+        try:
+            with pytest.raises(pskv.ProtocolError, match=r"this is server 0, not the scheduler \(check DMLC_PS_ROOT_URI and DMLC_PS_ROOT_PORT\)"):
+                lost.join(None)
+        finally:
+            lost.van.close(0)
+
+
 def test_a_second_worker_with_the_same_id_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two workers started with DMLC_WORKER_ID=0: the second to register is refused at once, naming the
     variable and the process that holds that rank (it said "two workers asked for id 0"); the first
