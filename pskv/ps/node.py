@@ -200,15 +200,20 @@ class Node:
         wait = config.start_timeout()
         until = time.monotonic() + wait + 2.0  # the scheduler's error, naming who is missing, comes first
         early: list[tuple[str, Message]] = []
+        heard = False  # from the scheduler: one that never answers may drop what we send (docs/DESIGN.md, "Who may talk to a job")
+        ours = "it ignores a process with another PSKV_SECRET or PSKV_ENCRYPT"
         while (left := until - time.monotonic()) > 0:
             if time.monotonic() >= self._next_hb:  # alive while it waits: a closed connection is then a process gone
                 self._next_hb = time.monotonic() + self.hb_interval
                 self.van.send("scheduler", Message(Type.HEARTBEAT))
             for peer, msg in self.van.recv(min(left, 0.5, self.hb_interval)):
                 if isinstance(msg, PeerGone):
-                    raise self.lost(peer)
+                    raise self.lost(peer) if heard or peer != "scheduler" else NodeFailedError(
+                        f"the scheduler at {env.scheduler_endpoint} closed its connection before it answered this {self.role}: it exited or "
+                        f"was killed, or {ours}")
                 if isinstance(msg, Exception):
                     continue
+                heard = heard or peer == "scheduler"
                 if peer != "scheduler":
                     early.append((peer, msg))
                 elif msg.type == Type.ERROR:
@@ -227,7 +232,8 @@ class Node:
                     early.append((peer, msg))
             if self.rank >= 0:  # (once the rest of the table's batch is read)
                 return early
-        missing = f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
+        missing = (f"the node table from the scheduler at {env.scheduler_endpoint}: is it running, and did every server and worker start?"
+                   if heard else f"any answer from the scheduler at {env.scheduler_endpoint}: is it running there? ({ours})")
         raise deadline(f"this {self.role}, joining the job,", wait, "PSKV_START_TIMEOUT", wait, missing)
 
     @property

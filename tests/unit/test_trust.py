@@ -196,6 +196,31 @@ def test_a_port_in_use_is_one_line_naming_it() -> None:
         second.close(0)
 
 
+def test_a_node_with_another_secret_is_told_the_scheduler_may_ignore_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started by hand with another PSKV_SECRET than the scheduler's: the scheduler drops what it sends
+    (by design, no reply), and the node's error said only 'the scheduler ... closed its connection: it exited
+    or was killed' (or 'is it running?') when the scheduler gave up on it. It now names the settings."""
+    import threading
+
+    from pskv.launch.spec import free_port
+    from pskv.ps.node import JobEnv, Node
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "1")
+    monkeypatch.setenv("PSKV_SECRET", SECRET)
+    port = free_port()
+    scheduler = threading.Thread(target=Scheduler(JobEnv("scheduler", "127.0.0.1", port, 1, 1)).run, daemon=True)
+    scheduler.start()
+    monkeypatch.setenv("PSKV_SECRET", SECRET + "-other")
+    node = Node(JobEnv("worker", "127.0.0.1", port, 1, 1))
+    try:
+        with pytest.raises(pskv.ClusterError, match=r"scheduler at tcp://127\.0\.0\.1:\d+ .*another PSKV_SECRET or PSKV_ENCRYPT"):
+            node.join(None)
+    finally:
+        node.van.close(0)
+        scheduler.join(30)
+
+
 def test_a_frame_over_the_limit(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """A worker refuses to send a frame over PSKV_MAX_MESSAGE_BYTES (a clear error, the store goes on);
     a server disconnects a client that sends one, before it is read."""
