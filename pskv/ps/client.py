@@ -159,21 +159,20 @@ class WorkerClient(Node):
         live backup as pulls (the backups got the pushes)."""
         with self._lock:
             self.lost_servers.add(lost)
-            rows = [(kind, q.row, q.frames, q.entry, False) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
+            rows = [(kind, q.row, q.frames, q.entry) for kind in (Type.PUSH, Type.PULL) for q in self._pending.pop((lost, kind), [])]
             self._pending_bytes.pop(lost, None)  # (its rows go to the backup below)
         for req in self.tracker.take(f"server {lost}"):
             if req.rows is None:  # a whole message (HELLO, INIT, SET_STATES...): the backup got its own
                 for entry in filter(None, req.entries):
                     entry[0]._settle()
-            rows += [(req.kind, row, frames, entry, True) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
-        counted = [entry for kind, row, frames, entry, was in rows if was]
-        for kind, row, frames, entry, _ in rows:
+            rows += [(req.kind, row, frames, entry) for (row, frames), entry in zip(req.rows or [], req.entries) if entry is not None]
+        for kind, row, frames, entry in rows:
             if (kind == Type.PUSH and not row[8]) or (kind == Type.PULL and row[6]):  # a push (its copy went to the backup), a mirror pull
                 continue
             pull = (*row[:3], 0, row[4], row[5], 0) if kind == Type.PULL else (*row[:3], 0, 0, 0, 0)
             self.queue(lost, Type.PULL, pull, frames if kind == Type.PULL else [], entry)
-        self.flush()  # the requests these rows join count them; then the old ones are let go
-        for entry in counted:
+        self.flush()
+        for *_, entry in rows:  # each was counted when queued, and again if queued here: let go of it once
             entry[0]._settle()
 
     def queue(self, server: int, kind: Type, row: Sequence[int], frames: Sequence[Any], entry: Entry, nbytes: int = 0, ready: Any = None,
@@ -190,6 +189,8 @@ class WorkerClient(Node):
                     row = (*row[:8], 0, row[9]) if kind == Type.PUSH else (*row[:3], 0, row[4], row[5], 1)  # (no reply)
                     entry = (entry[0], None, None)  # acknowledged: nothing to copy
                 self._queued_rows += 1
+                entry[0]._left += 1  # counted now, not once sent: a call is not done while a row of it waits to be sent
+                entry[0]._done = entry[0].error is not None  # (an earlier row of this call answered already)
                 self._pending.setdefault((s, kind), []).append(Queued(row, frames, entry, ready, nbytes, priority, self._queued_rows))
                 self._pending_bytes[s] = self._pending_bytes.get(s, 0) + nbytes
             full = self._pending_bytes.get(server, 0) >= self._batch_bytes
@@ -274,7 +275,7 @@ class WorkerClient(Node):
         frames = [f for q in batch for f in q.frames]
         table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
         msg = Message(kind, meta=(self.push_meta or None) if kind == Type.PUSH else None, frames=[table, *frames])
-        req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
+        req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch], queued=True)
         req.rows = [(q.row, q.frames) for q in batch] if self.replicas else None  # sent again on a failover
         if server in self.shm_servers:  # answers may be slots of its shared memory
             pid = int(self.servers[server]["pid"])

@@ -807,6 +807,24 @@ def test_a_push_waits_for_an_earlier_pull_of_the_same_key(inproc_job: Job) -> No
     assert job.run_workers(body) == [want, want]
 
 
+@pytest.mark.parametrize("wait", [False, True])
+def test_a_call_is_done_only_once_every_row_of_it_was_sent_and_answered(inproc_job: Job, wait: bool) -> None:
+    """A call's rows are counted as they are queued: they were counted as they were sent, so a call whose first rows
+    were answered before its last ones left was done. pushpull of keys 0 and 1 after a pull of key 1 not waited for
+    (the push of key 1 waits for it, sending key 0's row meanwhile) returned with key 1's value of the round before
+    (every time, with a single thread and one worker)."""
+    job = inproc_job(1, 1)
+    with job.worker() as kv:
+        kv.init([0, 1], [torch.zeros(10), torch.zeros(10)])
+        o0, o1 = torch.empty(10), torch.empty(10)
+        for i in range(1, 21):
+            kv.pull(1, o1, wait=False)
+            h = kv.pushpull([0, 1], [torch.full((10,), float(i))] * 2, [o0, o1], wait=wait)
+            if h is not None:
+                h.wait()
+            assert (o0[0].item(), o1[0].item()) == (i, i), f"round {i}: the second key's out holds {o1[0].item()}"
+
+
 @pytest.mark.parametrize("spans_hosts", [False, True])
 def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, spans_hosts: bool) -> None:
     """Across hosts parts default to 1 MB, TCP batches to 256 KB (answers flow down a link while
