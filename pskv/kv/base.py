@@ -5,13 +5,14 @@ wrong is checked here, before the ``_..._impl`` hooks run, so a rejected call ch
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import json
 import math
 import numbers
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -78,7 +79,7 @@ def _locked(method: F) -> F:
 class KVStore:
     """A key-value store for parameters (keys and values: docs/SPEC.md, sections 1-2). Create one
     with :func:`pskv.kv.create`. Every public method takes the store's lock, so threads may share a
-    store (one call at a time). Itself the in-process store: calls are synchronous, each returns when
+    store (one call at a time; a dist store's call lets go of it while it waits for the others). Itself the in-process store: calls are synchronous, each returns when
     done; ``device`` sums on the device of the first pushed tensor and keeps each value (and runs the
     optimizer) on the device it was initialised on, ``local`` uses the CPU."""
 
@@ -362,6 +363,16 @@ class KVStore:
         except (TypeError, ValueError) as exc:
             raise errors.InvalidValueError(f"allgather takes JSON values (numbers, strings, lists, dicts): {exc}") from None
         return _locked(type(self)._barrier_impl)(self, value)  # the value is checked first, then as any call
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """The store's lock let go while a call waits for the other workers, so that this worker's other threads may
+        call meanwhile (one waiting with it held could wait for a push that another thread of it could not make)."""
+        saved = cast(Any, self._lock)._release_save()  # (as threading.Condition.wait does, however deep it is held)
+        try:
+            yield
+        finally:
+            cast(Any, self._lock)._acquire_restore(saved)
 
     def close(self) -> None:
         """Release the store; later calls raise :class:`~pskv.errors.StoreClosedError`. Idempotent."""

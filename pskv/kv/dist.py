@@ -5,6 +5,7 @@ next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipelin
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,6 +63,7 @@ class DistStore(KVStore):
         self._client = WorkerClient(env)
         # a store that is dropped, or alive at exit, is closed: the job learns this worker is done
         self._leaving: list[BaseException] = []  # what left its with block, if anything did
+        self._barrier = threading.Lock()
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
         self._closer = weakref.finalize(self, _close, self._client, self._leaving)
         try:
@@ -103,7 +105,8 @@ class DistStore(KVStore):
             self._client.flush(soon=True)
             return handle
         self._client.flush()
-        handle.wait()
+        with self._unlocked():
+            handle.wait()
         return None
 
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
@@ -438,7 +441,8 @@ class DistStore(KVStore):
 
     def _barrier_impl(self, *value: Any) -> list[Any]:
         self._client.check()
-        return self._client.barrier("worker", *value)
+        with self._unlocked(), self._barrier:  # (this worker's barriers one at a time: the scheduler keeps one a worker)
+            return self._client.barrier("worker", *value)
 
     def _close_impl(self) -> None:
         self._closer()

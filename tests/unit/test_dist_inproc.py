@@ -825,6 +825,43 @@ def test_a_call_is_done_only_once_every_row_of_it_was_sent_and_answered(inproc_j
             assert (o0[0].item(), o1[0].item()) == (i, i), f"round {i}: the second key's out holds {o1[0].item()}"
 
 
+def test_threads_of_each_worker_that_call_at_once_do_not_wait_for_each_other(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocking call waited for the other workers holding its store's lock, so threads of two workers deadlocked at
+    once (until PSKV_TIMEOUT, blaming the other worker): worker 0's pushpull of key 0 waited for worker 1's push of
+    it, which waited for worker 1's pushpull of key 1, which waited for worker 0's push of it, and so with a barrier."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "10")
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init([0, 1], [torch.zeros(10), torch.zeros(10)])
+        seen: list[float] = []
+        errors: list[BaseException] = []
+
+        def calls(key: int) -> None:
+            try:
+                out = torch.empty(10)
+                for i in range(10):
+                    if key < 0:
+                        seen.extend(kv.allgather(i))
+                        continue
+                    kv.pushpull(key, torch.full((10,), float(kv.rank + 1)), out)
+                    kv.pull(key, out)
+                    seen.append(out[0].item())
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=calls, args=(key,)) for key in (0, 1, -1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        return sorted(seen)
+
+    want = sorted([3.0] * 20 + [float(i) for i in range(10)] * 2)
+    assert job.run_workers(body) == [want, want]
+
+
 @pytest.mark.parametrize("spans_hosts", [False, True])
 def test_parts_and_batches_are_small_when_the_job_spans_hosts(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, spans_hosts: bool) -> None:
     """Across hosts parts default to 1 MB, TCP batches to 256 KB (answers flow down a link while
