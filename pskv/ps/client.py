@@ -365,7 +365,8 @@ class WorkerClient(Node):
             if self.tracker.fatal is None:
                 self.flush()
                 until = time.monotonic() + self.tracker.timeout
-                while (len(self.tracker) or self._pending) and time.monotonic() < until and self.tracker.fatal is None:
+                # (a worker that failed says so at once: its place in the job ends, whatever its calls in flight wait for)
+                while not failed and (len(self.tracker) or self._pending) and time.monotonic() < until and self.tracker.fatal is None:
                     self._pump(0.05)
                 self._finishing = True  # (the scheduler may close our connection from now on: not a failure)
                 done = self.send(SCHEDULER, Message(Type.FINALIZE, meta={"failed": failed} if failed else None), f"worker {self.rank} finishing")

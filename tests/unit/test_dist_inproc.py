@@ -349,6 +349,34 @@ def test_worker_leaving_early_fails_the_round_naming_it(inproc_job: Job) -> None
     assert job.run_workers(body) == ["failed fast", "left"]
 
 
+def test_a_worker_that_fails_with_calls_in_flight_is_said_at_once(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing a store waited up to PSKV_TIMEOUT for the answers of its calls in flight, also when its worker failed
+    (an uncaught exception, a KeyboardInterrupt), whose place in the job ends anyway: here worker 0 fails with a pushpull
+    in flight that needs worker 1's push while worker 1 waits for it in a barrier, so the job heard of it 20 s later."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "20")
+    job = inproc_job(2, 1)
+    seen: list[tuple[float, str]] = []  # worker 1's wait in its barrier, and its end
+    ready = threading.Event()
+
+    def body(kv: KVStore) -> None:
+        kv.init("w", torch.zeros(2))
+        if kv.rank == 0:
+            assert ready.wait(10)
+            kv.pushpull("w", torch.ones(2), wait=False)
+            raise KeyboardInterrupt  # (the store's with block sees it on its way out)
+        ready.set()
+        start = time.monotonic()
+        try:
+            kv.barrier()
+        except pskv.PSKVError as exc:
+            seen.append((time.monotonic() - start, str(exc)))
+
+    with pytest.raises(KeyboardInterrupt):
+        job.run_workers(body)
+    assert len(seen) == 1 and seen[0][0] < 5, seen
+    assert re.search(r"worker 0 .* failed: it exited with an uncaught KeyboardInterrupt", seen[0][1]), seen
+
+
 def test_pull_deadline_names_the_missing_workers(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSKV_TIMEOUT", "1.5")
     job = inproc_job(3, 1)
