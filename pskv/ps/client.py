@@ -306,14 +306,20 @@ class WorkerClient(Node):
             if self.data.closed:
                 time.sleep(timeout)
                 return
+            interrupted: Optional[BaseException] = None
             with torch.no_grad():  # pulled values go into tensors that may require grad
                 for peer, msg in self.data.recv(timeout):
                     if isinstance(msg, Exception):  # (the servers' connections are not watched: no PeerGone)
                         print(f"pskv worker {self.rank}: dropped a malformed message from {peer}: {msg}", file=sys.stderr)
                         continue
                     t0 = timeline.now()
-                    self.tracker.answer(msg)
+                    try:
+                        self.tracker.answer(msg)
+                    except BaseException as exc:  # an interrupt (KeyboardInterrupt): the other answers taken are read first
+                        interrupted = exc
                     timeline.span(f"answer from {peer}", t0, bytes=sum(len(f) for f in msg.frames[1:]))
+            if interrupted is not None:
+                raise interrupted
         finally:
             self._receiving.release()
 

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..errors import DeadlineExceeded, PSKVError, deadline, from_reply
+from ..errors import ClusterError, DeadlineExceeded, PSKVError, deadline, from_reply
 from .message import ANSWER, Message, Type, frame_tensor
 
 OnReply = Callable[[Message], None]
@@ -78,7 +78,11 @@ class Handle:
                 finish = self._finish.pop()
             except IndexError:
                 return
-            finish()
+            try:
+                finish()
+            except BaseException:  # (an interrupt: the next wait copies them)
+                self._finish = [finish]
+                raise
 
     def _settle(self, error: Optional[BaseException] = None) -> None:
         self.error = self.error or error
@@ -162,15 +166,21 @@ class Tracker:
                 handle._settle()
             if req.remaining <= 0:
                 self.close(req)
-        except BaseException as exc:
+        except Exception as exc:
             self.close(req, exc)
+        except BaseException as exc:  # an interrupt (KeyboardInterrupt) as it was read: the rest is lost, its call fails saying so
+            again = {Type.PUSH: ": pull again (its push was applied)", Type.PULL: ": pull again"}.get(req.kind, "")
+            self.close(req, ClusterError(f"{req.what}: its answer was cut short by {type(exc).__name__}; what it brought is lost{again}"),
+                       refused=False)
+            raise
 
-    def close(self, req: Request, exc: Optional[BaseException] = None) -> None:
-        """Settle the calls ``req`` still serves (failed with ``exc``, if given), unless it is closed."""
+    def close(self, req: Request, exc: Optional[BaseException] = None, refused: bool = True) -> None:
+        """Settle the calls ``req`` still serves (failed with ``exc``, if given), unless it is closed; ``refused``: a
+        push that fails is one the next call raises too."""
         with self._lock:
             if self._open.pop(req.req_id, None) is None:
                 return
-            if exc is not None and req.kind == Type.PUSH:
+            if exc is not None and req.kind == Type.PUSH and refused:
                 self._failed_pushes.append(exc)
         for entry in filter(None, req.entries):  # (None: answered)
             entry[0]._settle(exc)

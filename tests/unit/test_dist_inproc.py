@@ -10,6 +10,7 @@ import contextlib
 import gc
 import os
 import re
+import signal
 import threading
 import time
 import uuid
@@ -375,6 +376,62 @@ def test_a_worker_that_fails_with_calls_in_flight_is_said_at_once(inproc_job: Jo
         job.run_workers(body)
     assert len(seen) == 1 and seen[0][0] < 5, seen
     assert re.search(r"worker 0 .* failed: it exited with an uncaught KeyboardInterrupt", seen[0][1]), seen
+
+
+def test_an_interrupt_as_an_answer_is_read_fails_that_call_once_and_the_store_goes_on(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt (SIGINT to the worker: Ctrl-C) that came while the waiting thread read an answer became its
+    call's error: every later wait of it raised KeyboardInterrupt again, and so did the next call (a push's failure);
+    the other answers taken with it were lost (their calls waited for PSKV_TIMEOUT), and a wait interrupted as it copied
+    a pull's answer to its other outs left them as they were, for good (the next wait returned at once)."""
+    monkeypatch.setenv("PSKV_SHM", "0")  # (answers come as frames)
+    from pskv.ps import tracker
+
+    job = inproc_job(1, 1)
+    with job.worker() as kv:
+        kv.init([0, 1], [torch.zeros(4), torch.zeros(4)])
+        real, outs = tracker.frame_tensor, [torch.zeros(4), torch.zeros(4)]
+
+        def interrupted(*args: Any, **kwargs: Any) -> Any:
+            monkeypatch.setattr(tracker, "frame_tensor", real)
+            signal.raise_signal(signal.SIGINT)  # (raised in this thread, the main one, at its next call)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(tracker, "frame_tensor", interrupted)
+        h = kv.pushpull([0, 1], [torch.ones(4), torch.ones(4)], outs, wait=False)
+        with pytest.raises(KeyboardInterrupt):
+            h.wait()  # type: ignore[union-attr]
+        try:
+            with pytest.raises(pskv.ClusterError, match="push of 2 parts: its answer was cut short by KeyboardInterrupt"):
+                h.wait()  # type: ignore[union-attr]
+            kv.pull([0, 1], outs)
+            assert all(torch.equal(o, torch.ones(4)) for o in outs), outs
+            h1 = kv.pull(0, outs[0], wait=False)
+            time.sleep(0.05)  # (sent: h2 is another message, whose answer comes with h1's)
+            h2 = kv.pull(1, outs[1], wait=False)
+            time.sleep(0.2)
+            monkeypatch.setattr(tracker, "frame_tensor", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                h2.wait()  # type: ignore[union-attr]
+            assert h2.done(), "the answer read after the interrupted one was lost"  # type: ignore[union-attr]
+            with pytest.raises(pskv.ClusterError, match="cut short by KeyboardInterrupt"):
+                h1.wait()  # type: ignore[union-attr]
+            kv.push(0, torch.full((4,), 5.0))
+            h = kv.pull(0, [outs[0], outs[1]], wait=False)  # the second out is copied by the wait, once the answer is in
+            copy, cut = h._finish[0], []  # type: ignore[union-attr]
+
+            def cut_short() -> None:
+                if not cut:
+                    cut.append(True)
+                    signal.raise_signal(signal.SIGINT)
+                copy()
+
+            h._finish = [cut_short]  # type: ignore[union-attr]
+            with pytest.raises(KeyboardInterrupt):
+                h.wait()  # type: ignore[union-attr]
+            h.wait()  # type: ignore[union-attr]
+            assert torch.equal(outs[1], torch.full((4,), 5.0)), "a wait after the interrupted one did not copy the answer"
+        except KeyboardInterrupt:
+            pytest.fail("KeyboardInterrupt again, with no signal")
 
 
 def test_pull_deadline_names_the_missing_workers(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
