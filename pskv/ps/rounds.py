@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from ..errors import (
-    DuplicateInitError,
     KeyNotInitializedError,
     NodeFailedError,
     OptimizerError,
@@ -154,12 +153,10 @@ class Rounds:
                                          "create the same store type and init the same keys in the same order")
                 waiting, p.inits = (p.inits, []) if p.value is None else ([], p.inits)  # (their value may never come)
                 return [Answer(req, 0, error=err), *(replace(w, error=err) for w in waiting)]
-            if p is not None and rank in p.initialised_by and rank in self.workers:  # (a worker back in a lost one's place inits again)
-                raise DuplicateInitError(f"key {e.name} was already initialised by worker {rank}")
         out: list[Answer] = []
         for i, e in enumerate(entries):
             p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode))
-            p.initialised_by.add(rank)
+            p.initialised_by.add(rank)  # (again: its init cut short, by an interrupt or a deadline, is answered as the first)
             p.inits.append(Answer(req, i))
             if e.value is not None and p.value is None:
                 p.value = self.storage(p)

@@ -434,6 +434,37 @@ def test_an_interrupt_as_an_answer_is_read_fails_that_call_once_and_the_store_go
             pytest.fail("KeyboardInterrupt again, with no signal")
 
 
+def test_an_init_cut_short_by_an_interrupt_can_be_made_again(inproc_job: Job) -> None:
+    """A KeyboardInterrupt (or a deadline) in init, which waits for worker 0's value, left the key unusable: the store
+    had not taken it (KeyNotInitializedError) and the servers refused its init again (DuplicateInitError)."""
+    job = inproc_job(2, 1)
+    values: list[float] = []
+
+    def worker0() -> None:
+        with job.worker(rank=0) as kv:
+            time.sleep(1.0)  # worker 1's init waits for this value
+            kv.init("w", torch.full((3,), 7.0))
+            kv.push("w", torch.ones(3))
+            kv.pushpull("w", torch.ones(3), out := torch.empty(3))
+            values.append(out[0].item())
+
+    t = threading.Thread(target=worker0)
+    t.start()
+    with job.worker(rank=1) as kv:
+        timer = threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,))  # (its handler runs in this thread, the main one)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            kv.init("w", torch.zeros(3))
+        kv.init("w", torch.zeros(3))
+        kv.pull("w", out := torch.empty(3))
+        assert torch.equal(out, torch.full((3,), 7.0)), out
+        kv.push("w", torch.ones(3))
+        kv.pushpull("w", torch.ones(3), out)
+        values.append(out[0].item())
+    t.join(20)
+    assert values == [2.0, 2.0]
+
+
 def test_pull_deadline_names_the_missing_workers(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSKV_TIMEOUT", "1.5")
     job = inproc_job(3, 1)
