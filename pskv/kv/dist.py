@@ -4,6 +4,7 @@ next INIT, PUSH or PULL message (docs/DESIGN.md: the rounds, data paths, pipelin
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import traceback
@@ -45,7 +46,9 @@ def create_dist(name: str) -> KVStore:
     return store
 
 
-def _close(client: WorkerClient, leaving: list[BaseException]) -> None:
+def _close(client: WorkerClient, leaving: list[BaseException], pid: int) -> None:
+    if os.getpid() != pid:  # a child forked by the worker (os.fork) exits: the store, its sockets and threads are its parent's
+        return
     # what this process dies of: what left the store's with block, or Python's record of an uncaught exception (a prompt's: of any error)
     exc = leaving[0] if leaving else None if hasattr(sys, "ps1") else getattr(sys, "last_value", None)
     try:
@@ -65,7 +68,7 @@ class DistStore(KVStore):
         self._leaving: list[BaseException] = []  # what left its with block, if anything did
         self._barrier = threading.Lock()
         self._slots: dict[tuple[int, int], tuple[Tensor, tuple[int, int]]] = {}  # (key, part) -> push slot, (fd, offset)
-        self._closer = weakref.finalize(self, _close, self._client, self._leaving)
+        self._closer = weakref.finalize(self, _close, self._client, self._leaving, os.getpid())
         try:
             self._client.start()
         except BaseException as exc:

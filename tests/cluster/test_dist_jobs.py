@@ -533,6 +533,32 @@ def test_a_store_dropped_without_close_still_finishes_the_job(tmp_path: Path) ->
     assert res.code == 0 and res.stdout.count("dropped") == 2, res
 
 
+def test_a_child_forked_by_a_worker_exits_without_touching_its_store(tmp_path: Path) -> None:
+    """A child of os.fork that ended normally (atexit) closed the parent's store it had copied: it waited PSKV_TIMEOUT
+    and more for answers its parent's calls in flight would get, through sockets whose threads the fork did not copy."""
+    script = """
+    import os, sys, time, torch, pskv
+    kv = pskv.kv.create("dist_sync")
+    kv.init(0, torch.zeros(4))
+    out = torch.empty(4)
+    h = kv.pushpull(0, torch.ones(4), out, wait=False)  # in flight as the worker forks
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # (atexit handlers run)
+    until = time.monotonic() + 10
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > until:
+            os.kill(pid, 9)
+            sys.exit("the forked child did not exit within 10 s")
+        time.sleep(0.05)
+    h.wait()
+    kv.pushpull(0, torch.ones(4), out)
+    print("forked, went on:", out.tolist(), flush=True)
+    """
+    res = launch(tmp_path, script, 2, 1, env={"PSKV_TIMEOUT": "30"}, timeout=90)
+    assert res.code == 0 and res.stdout.count("forked, went on: [2.0, 2.0, 2.0, 2.0]") == 2, res
+
+
 def test_a_second_dist_store_in_a_worker_is_refused_at_once(tmp_path: Path) -> None:
     """A worker has one place in its job: a second dist store (a Trainer given a type name after
     ``create``) and one made after ``close()`` fail at once, saying so; they waited for the start
