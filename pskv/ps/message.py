@@ -229,5 +229,5 @@ def frame_tensor(frame: Buffer, dtype: torch.dtype, numel: int | None = None) ->
         raise ProtocolError(f"payload is {buf.nbytes} bytes, expected {numel} x {itemsize}")
     if buf.readonly:
         buf = memoryview(bytearray(buf))
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if numel else torch.empty(0, dtype=torch.uint8)
-    return (raw.clone() if raw.data_ptr() % itemsize else raw).view(dtype)  # (complex128 kernels crash on unaligned memory)
+    t = torch.frombuffer(buf, dtype=dtype) if numel else torch.empty(0, dtype=dtype)  # (no kernel has read it yet)
+    return torch.frombuffer(buf, dtype=torch.uint8).clone().view(dtype) if t.data_ptr() % itemsize else t  # (complex128 kernels crash on unaligned memory)
