@@ -21,7 +21,7 @@ from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
 from ..ps import serve, timeline
 from ..ps.client import WorkerClient
-from ..ps.message import DTYPES, Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
+from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
@@ -117,8 +117,10 @@ class DistStore(KVStore):
         batches: dict[int, tuple[list[Any], list[Any]]] = {}
         limit = self._client.data.max_frame  # the servers' (checked here, by every worker alike: worker 0's INIT would be refused, the others' wait)
         for meta, value in items:
-            if str(meta.dtype).removeprefix("torch.") not in DTYPES:
-                raise errors.InvalidValueError(f"{meta}: dtype {meta.dtype} cannot travel to the servers; supported: {', '.join(DTYPES)}")
+            try:
+                dtype_name(meta.dtype)
+            except errors.ProtocolError as exc:
+                raise errors.InvalidValueError(f"{meta}: {exc}") from None
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=meta.row_numel, chunk=chunk)
             if limit and (most := max(p.numel for p in self._parts[meta.id]) * meta.dtype.itemsize) > limit:

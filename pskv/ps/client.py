@@ -129,6 +129,7 @@ class WorkerClient(Node):
         self._check_open()
         handle = Handle(self.tracker)
         parts = len((msg.meta or {}).get("parts", [])) if msg.type in BATCHED else 1  # INIT: answered part by part
+        handle._left = parts  # (a batch's rows are counted as they are queued)
         peer = "scheduler" if to == SCHEDULER else f"server {to}"
         req = self.tracker.open(msg, what, peer, [(handle, None, None)] * parts, on_reply)
         if to == SCHEDULER:
@@ -275,7 +276,7 @@ class WorkerClient(Node):
         frames = [f for q in batch for f in q.frames]
         table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
         msg = Message(kind, meta=(self.push_meta or None) if kind == Type.PUSH else None, frames=[table, *frames])
-        req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch], queued=True)
+        req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
         req.rows = [(q.row, q.frames) for q in batch] if self.replicas else None  # sent again on a failover
         if server in self.shm_servers:  # answers may be slots of its shared memory
             pid = int(self.servers[server]["pid"])

@@ -119,14 +119,11 @@ class Tracker:
         self._next = 1
         self._failed_pushes: list[BaseException] = []
 
-    def open(self, msg: Message, what: str, peer: str, entries: Iterable[Entry], on_reply: Optional[OnReply] = None,
-             queued: bool = False) -> Request:
-        """A new request for ``msg`` (its ``req_id`` is set) whose rows serve ``entries`` (one: a whole message);
-        ``queued``: rows that their calls counted when they were queued (``WorkerClient.queue``), not again here."""
+    def open(self, msg: Message, what: str, peer: str, entries: Iterable[Entry], on_reply: Optional[OnReply] = None) -> Request:
+        """A new request for ``msg`` (its ``req_id`` is set) whose rows serve ``entries`` (one: a whole message); their
+        calls counted them (``WorkerClient.queue``, ``send``)."""
         with self._lock:
             req = Request(self._next, msg.type, what, peer, time.monotonic() + self.timeout, list(entries), on_reply)
-            for handle, _, _ in req.entries if not queued else ():  # type: ignore[misc]
-                handle._left += 1
             msg.req_id = self._next
             self._next += 1
             self._open[req.req_id] = req
