@@ -39,6 +39,7 @@ def start(role: str, rank: int) -> None:
     on, _pid, _wall = True, {"scheduler": 0, "server": 100, "worker": 1000}.get(role, 9000) + rank, time.time() - time.perf_counter()
     _lines.append("[\n" + json.dumps({"name": "process_name", "ph": "M", "pid": _pid, "args": {"name": f"{role} {rank}"}}) + ",\n")
     atexit.register(_write)
+    os.register_at_fork(after_in_child=_off)  # a child of os.fork: the spans buffered and the process row are its parent's
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _stopped)
 
@@ -59,6 +60,11 @@ def span(name: str, begin: float, **args: Any) -> None:
         _lines.append(json.dumps({"name": name, "ph": "X", "ts": (begin + _wall) * 1e6, "dur": (end - begin) * 1e6, "pid": _pid, "tid": _threads[ident], "args": args}) + ",\n")
         if len(_lines) >= 1000:
             _write()
+
+
+def _off() -> None:
+    global on, _lines
+    on, _lines = False, []
 
 
 def _write() -> None:

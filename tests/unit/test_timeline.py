@@ -54,3 +54,26 @@ def test_a_path_it_cannot_write_is_said_at_start_in_one_line(tmp_path: Path) -> 
         assert res.returncode == 0 and res.stdout == "off\n", res
         assert res.stderr.startswith(f"pskv worker 0: no timeline: PSKV_TIMELINE={path}: ") and "Traceback" not in res.stderr, res.stderr
         assert timeline.merge(str(path)) == 0
+
+
+def test_a_forked_child_writes_none_of_its_parents_spans_again(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    code = """if True:
+        import os
+        from pskv.ps import timeline
+        timeline.start("worker", 0)
+        for i in range(10):
+            timeline.span("parent's", timeline.now(), i=i)
+        pid = os.fork()
+        if pid == 0:  # the child ends normally: its atexit runs
+            timeline.span("child's", timeline.now())
+            raise SystemExit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+    """
+    env = {**os.environ, "PSKV_TIMELINE": str(path), "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert timeline.merge(str(path)) == 1
+    events = json.loads(path.read_text())["traceEvents"]
+    assert [e["args"]["i"] for e in events if e["name"] == "parent's"] == list(range(10)), events
+    assert not [e for e in events if e["name"] == "child's"], "the child's spans would share the parent's process row"
