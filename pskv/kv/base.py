@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import itertools
 import json
 import math
 import numbers
@@ -151,6 +152,8 @@ class KVStore:
             if v.is_sparse and v.sparse_dim() != 1:
                 raise errors.SparseError(f"key {key!r}: a sparse {what} must be row-sparse "
                                          f"(sparse_dim() == 1), got sparse_dim() == {v.sparse_dim()}")
+            if v.is_meta:
+                raise errors.InvalidValueError(f"key {key!r}: {what} is on the meta device, which holds no data")
             if v.is_sparse and outside(rows := v._indices(), v.shape[0]):  # torch does not check them unless asked
                 raise errors.SparseError(f"key {key!r}: a sparse {what} has row indices outside [0, {v.shape[0]}): "
                                          f"min {int(rows.min())}, max {int(rows.max())}")
@@ -167,6 +170,9 @@ class KVStore:
             if what == "out" and not t.is_sparse and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
                 raise errors.InvalidValueError(f"{meta}: an out whose elements share memory (expanded: a stride of 0) cannot "
                                                "hold a value; pull into a tensor of its own (.clone())")
+            if what == "out" and t.is_inference() and not torch.is_inference_mode_enabled():
+                raise errors.InvalidValueError(f"{meta}: an out made under torch.inference_mode() can be written only inside it; "
+                                               "pull there, or into a tensor made outside it")
 
     def _finite(self, groups: list[Group]) -> list[Group]:
         """A push's groups; with 1bit compression, NaN or Inf in any key is an error before any goes."""
@@ -186,6 +192,11 @@ class KVStore:
                 raise errors.KeyNotInitializedError(f"key {k!r} has not been initialised; call init({k!r}, value) first")
             self._check_like(meta, ts, what)
             groups.setdefault(meta.id if join else i, (meta, []))[1].extend(ts)
+        if what == "out":  # two keys' outs in one memory: which value it ends with would depend on which answer came last
+            spans = [(t.data_ptr(), t.data_ptr() + t.nbytes, m) for m, ts in groups.values() for t in ts if not t.is_sparse and t.is_contiguous()]
+            for (_, end, a), (start, _, b) in itertools.pairwise(sorted(spans, key=lambda span: span[:2])):
+                if start < end and a is not b:
+                    raise errors.InvalidValueError(f"{b}: its out shares memory with the out of {a} in this call; give each key its own")
         return list(groups.values())
 
     @_locked

@@ -553,3 +553,31 @@ def test_an_optimizer_refuses_a_key_it_cannot_update(kv: KVStore) -> None:
     kv.push("w", torch.ones(2))
     kv.pull("w", w)
     assert out.tolist() == [1, 2] and w.tolist() == [-1.0, -1.0]
+
+
+def test_outs_that_hold_no_data_or_cannot_be_written_or_are_two_keys_memory_are_refused_naming_the_key(kv: KVStore) -> None:
+    """A meta value, an inference tensor as an out outside inference mode (torch's errors named no key; the dist
+    stores' came once the round was answered), and one memory as the out of two keys in one call (which value it
+    held depended on which answer came last): refused before anything is sent, naming the key."""
+    kv.init(["a", "b"], [torch.ones(4), torch.full((4,), 2.0)])
+    with pytest.raises(pskv.InvalidValueError, match=r"key 'm'.*meta device"):
+        kv.init("m", torch.empty(4, device="meta"))
+    with pytest.raises(pskv.InvalidValueError, match=r"key 'a'.*meta device"):
+        kv.push("a", torch.empty(4, device="meta"))
+    kv.init("m", torch.ones(4))  # the refused init left nothing
+    with torch.inference_mode():
+        made_inside = torch.zeros(4)
+        kv.pull("a", out=made_inside)  # inside inference mode it can be written
+    assert torch.equal(made_inside, torch.ones(4))
+    with pytest.raises(pskv.InvalidValueError, match=r"key 'a'.*inference_mode"):
+        kv.pull("a", out=made_inside)
+    one = torch.zeros(8)
+    for outs in ([one[:4], one[:4]], [one[:4], one[2:6]], [one.view(2, 4)[0], one[:4]]):
+        with pytest.raises(pskv.InvalidValueError, match=r"key '[ab]'.*shares memory with the out of key '[ab]'"):
+            kv.pull(["a", "b"], out=outs)
+        with pytest.raises(pskv.InvalidValueError, match="shares memory"):
+            kv.pushpull(["a", "b"], [torch.ones(4), torch.ones(4)], out=outs)
+    assert torch.equal(one, torch.zeros(8)) and torch.equal(pulled(kv, "a", torch.ones(4)), torch.ones(4))
+    kv.pull(["a", "b"], out=[one[:4], one[4:]])  # side by side: each its own
+    kv.pull(["a", "a"], out=[one[:4], one[:4]])  # one key twice: the same value
+    assert torch.equal(one, torch.tensor([1.0] * 4 + [2.0] * 4))
