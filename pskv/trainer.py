@@ -218,6 +218,7 @@ class Trainer:
         elif compression_params:
             raise TrainerError("compression_params need a store; this Trainer runs without one (local, one device)")
         self._pushed = [False] * len(self._keys)  # this step's gradient of each key is on its way
+        self._cut = False  # a step() began and did not reach its end (an error, an interrupt): its gradients may have left
         self._ready = [0] * len(self._keys)  # replicas whose gradient of each key backward produced
         self._inflight: dict[int, Handle] = {}  # key index -> its exchange not waited for yet
         self._bucket: list[int] = []  # with overlap: key indexes whose gradients wait for the next push
@@ -280,10 +281,12 @@ class Trainer:
         i = self._where[id(param)]
         if self._pushed[i]:
             self._versions.pop(i, None)  # (this error says it: step goes on with the gradient that left)
-            raise TrainerError(f"parameter {self._name(param)!r} got a second gradient before step(): with overlap it left "
-                               "in the first backward; accumulate inside `with trainer.no_sync():` (all but the last "
-                               "backward), and keep a backward from filling gradients not stepped (a GAN's D in G's "
-                               "backward: `with trainer_d.no_sync():` around it, or D.requires_grad_(False))")
+            raise TrainerError(f"parameter {self._name(param)!r} got a second gradient before step(): " + (
+                               "the last step() did not finish (an error or an interrupt in it), and its gradient had left; "
+                               "call step() again to finish it" if self._cut else
+                               "with overlap it left in the first backward; accumulate inside `with trainer.no_sync():` (all "
+                               "but the last backward), and keep a backward from filling gradients not stepped (a GAN's D in "
+                               "G's backward: `with trainer_d.no_sync():` around it, or D.requires_grad_(False))"))
         self._gathered(param)
         self._ready[i] += 1
         grads: list[Tensor] = [rep[i].grad for rep in self._reps]  # type: ignore[misc]
@@ -447,7 +450,7 @@ class Trainer:
 
     def _next_step(self) -> None:
         self._sparse.update(i for rep in self._reps for i, t in enumerate(rep) if t.grad is not None and t.grad.is_sparse)
-        self._pushed, self._ready = [False] * len(self._keys), [0] * len(self._keys)
+        self._pushed, self._ready, self._cut = [False] * len(self._keys), [0] * len(self._keys), False
         self._steps += 1
         self._queued = False  # (a backward that failed dropped its callback)
         if self._called is not None:  # the first step
@@ -464,7 +467,7 @@ class Trainer:
         """Sum the gradients over devices and workers, scale by ``1/batch_size`` (this worker's
         batch), update; block until every replica holds the new weights (with overlap: until the
         pulls are sent). A parameter without a gradient is an error unless ``ignore_stale_grad``."""
-        t0 = timeline.now()
+        t0, self._cut = timeline.now(), True
         scale = self._set_scale(batch_size)
         if not self._update_on_kvstore:
             self.allreduce_grads(ignore_stale_grad)
@@ -507,6 +510,7 @@ class Trainer:
         """Replace every replica's gradient by the sum over devices and workers."""
         if self._update_on_kvstore:
             raise TrainerError("allreduce_grads() needs update_on_kvstore=False (the store runs the optimizer otherwise)")
+        self._cut = True
         rest, grads = self._unsent(ignore_stale_grad)
         with torch.no_grad():
             if self._kv is not None and rest:

@@ -1067,6 +1067,41 @@ def test_overlap_refuses_a_second_gradient_without_no_sync(inproc_job: Job) -> N
     assert job.run_workers(body) == ["ok"]
 
 
+@pytest.mark.parametrize("uok", [True, False])
+def test_a_backward_after_a_step_cut_short_says_to_call_step_again_and_that_finishes_it(inproc_job: Job, uok: bool) -> None:
+    """An interrupt in step() once backward's gradients had left: the next backward's refusal told to accumulate inside
+    no_sync, which was not what happened; step() again finishes the step, with the numbers of one not cut short."""
+    job = inproc_job(1, 1)
+
+    def body(kv: KVStore) -> str:
+        w = nn.Parameter(torch.ones(3))
+        tr = pskv.Trainer([w], "sgd", {"learning_rate": 1.0}, kvstore=kv, overlap=True, update_on_kvstore=uok)
+        (w * 2).sum().backward()
+        owner, name = (kv, "_checked") if uok else (tr, "_wait")  # step's pulls; allreduce_grads' wait for backward's sums
+        real = getattr(owner, name)
+
+        def cut(*args: Any, **kwargs: Any) -> Any:
+            raise KeyboardInterrupt  # (Ctrl-C there)
+
+        setattr(owner, name, cut)
+        with pytest.raises(KeyboardInterrupt):
+            tr.step(1)
+        setattr(owner, name, real)
+        with pytest.raises(pskv.TrainerError, match=r"the last step\(\) did not finish .* call step\(\) again"):
+            (w * 2).sum().backward()
+        tr.step(1)
+        tr.synchronize()
+        assert torch.equal(w.detach(), torch.full((3,), -1.0)), w  # the first gradient, once
+        w.grad = None
+        (w * 2).sum().backward()
+        tr.step(1)
+        tr.synchronize()
+        assert torch.equal(w.detach(), torch.full((3,), -3.0)), w
+        return "ok"
+
+    assert job.run_workers(body) == ["ok"]
+
+
 def _same_with_overlap(inproc_job: Job, body: Callable[[KVStore, bool], list[torch.Tensor]]) -> None:
     """``body(kv, overlap)``'s weights, one worker and one server, are the same with overlap on and off."""
     plain = inproc_job(1, 1).run_workers(lambda kv: body(kv, False))[0]
