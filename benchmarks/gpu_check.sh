@@ -31,11 +31,11 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider -o addopts="" --tb=short tes
 }
 step() {
 echo "== train_step"
-timeout ${STEP_TIMEOUT:-$((100 * ${REPEAT:-1} + 40))} python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --repeat ${REPEAT:-1} --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -12
+timeout ${STEP_TIMEOUT:-$((100 * ${REPEAT:-1} + 40))} python3 benchmarks/train_step.py --device $DEV --batch $B -n 2 -s 2 --steps $S --warmup 5 --repeat ${REPEAT:-1} --json $OUT/train_step_cuda.json 2>&1 | grep -v "^\s*$" | tail -14
 if [ -n "$BASE" ]; then  # BASE=<another checkout>: its pskv rows, run from its own directory (python -m pskv,
   echo "== train_step, pskv rows of $BASE"  # which starts the servers, takes the package of the working directory)
   (cd "$BASE" && PYTHONPATH=/tmp/site:$BASE timeout 120 python3 "$OLDPWD/benchmarks/train_step.py" --device $DEV --batch $B -n 2 -s 2 --steps $S \
-    --warmup 5 --skip plain "pskv local" "pskv 1x1 keys" "pskv 2x2 keys" "ddp x2 (gloo)" "ddp hook 2x2" "torch opt 2x2" --json $OUT/train_step_base.json 2>&1 | grep -v "^\s*$" | tail -6)
+    --warmup 5 --skip plain "pskv local" "pskv 1x1 keys" "pskv 1x1 sum" "pskv 2x2 keys" "ddp x2 (gloo)" "ddp hook 2x2" "torch opt 2x2" --json $OUT/train_step_base.json 2>&1 | grep -v "^\s*$" | tail -6)
 fi
 }
 amp() {

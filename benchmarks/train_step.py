@@ -8,7 +8,7 @@ already on the device, SGD momentum 0.9. Every configuration in one invocation:
 - ``pskv local``: one process, ``pskv.Trainer`` without a store;
 - ``pskv 1x1`` and ``pskv WxS``: ``pskv launch`` of W workers and S servers (``dist_device_sync``,
   the Trainer's overlap as it chooses, or ``--overlap on|off``); every worker on the same device;
-  ``pskv WxS sum``: the same with ``update_on_kvstore=False`` (the servers sum, each worker's
+  ``pskv 1x1 sum``, ``pskv WxS sum``: the same with ``update_on_kvstore=False`` (the servers sum, each worker's
   optimizer updates on the device); with overlap these rows have flat keys (runs of parameters as one
   tensor, the Trainer's default with overlap on a GPU: ``pskv.trainer.FLAT_KEYS``), and the ``... keys``
   rows a store key per parameter;
@@ -189,7 +189,7 @@ def main() -> int:
         worker(argparse.Namespace(**{**vars(args), "config": args.worker}))
         return 0
     w, s = args.workers, args.servers
-    table = [("plain", "plain", 1, 0), ("pskv local", "local", 1, 0), ("pskv 1x1", "pskv", 1, 1), ("pskv 1x1 keys", "pskvkeys", 1, 1),
+    table = [("plain", "plain", 1, 0), ("pskv local", "local", 1, 0), ("pskv 1x1", "pskv", 1, 1), ("pskv 1x1 keys", "pskvkeys", 1, 1), ("pskv 1x1 sum", "pskvsum", 1, 1),
              (f"pskv {w}x{s}", "pskv", w, s), (f"pskv {w}x{s} keys", "pskvkeys", w, s), (f"pskv {w}x{s} sum", "pskvsum", w, s), (f"ddp x{w} (gloo)", "ddp", w, 0),
              (f"ddp hook {w}x{s}", "ddphook", w, s), (f"torch opt {w}x{s}", "torchopt", w, s)]  # fmt: skip
     table = [row for row in table if row[0] not in args.skip]
