@@ -60,10 +60,7 @@ class Proc:
 
     @property
     def returncode(self) -> Optional[int]:
-        with contextlib.suppress(OSError):  # it exited (not reaped yet, so the group is still its): what it left there goes too, as the guard's
-            if self.popen.returncode is None and os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-        return self.popen.poll()
+        return self.popen.returncode  # once reaped: by ProcessContext.wait, where it sees the exit, or by a stop
 
     def sample(self) -> None:
         with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{self.popen.pid}/status") as f:
@@ -174,6 +171,11 @@ class ProcessContext:
                 for proc in self.procs:
                     proc.sample()
                 next_sample = time.monotonic() + 0.25
+            for proc in self.procs:  # exits are seen here, once a pass; one not reaped yet still owns its group: what it left there goes too, as the guard's
+                with contextlib.suppress(OSError):
+                    if proc.popen.returncode is None and os.waitid(os.P_PID, proc.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):
+                        os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.poll()
             self._hear(lost)
             # the first process to fail; of those found at once, one killed by a signal (the rest may
             # have noticed its end as fast as we did)

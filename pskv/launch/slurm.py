@@ -89,7 +89,7 @@ class Sbatch(Backend):
         proc = self.proc = ctx.start("sbatch", self.argv, self.spec.environ, show="tail", main=True)
         self.spool.start()
         deadline = time.monotonic() + 60
-        while not self.job_id and proc.returncode is None and time.monotonic() < deadline:
+        while not self.job_id and proc.popen.poll() is None and time.monotonic() < deadline:  # (before the wait loop reaps)
             ids = [line.split(";")[0].strip() for line in proc.tail]  # --parsable: "JOBID[;CLUSTER]"
             self.job_id = next((i for i in ids if i.isdigit()), "")
             time.sleep(0.05)

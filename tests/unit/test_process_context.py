@@ -3,9 +3,11 @@ job runner that drives it (run_job with a fake backend)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
+import time
 from typing import Any, Optional
 
 import pytest
@@ -49,6 +51,37 @@ def test_first_failure_stops_the_others_and_is_reported(capsys: pytest.CaptureFi
     assert sleeper.returncode is not None
     err = capsys.readouterr().err
     assert "worker 1 exited with status 7" in err and "    bye" in err
+
+
+def test_reading_a_status_signals_nothing_the_wait_stops_what_an_exited_process_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading Proc.returncode (a report, stop_all) SIGKILLed the group of a process that had exited, as a
+    side effect; now only the wait loop, where it sees the exit, kills what the process left, then reaps it."""
+    import os
+
+    from tests.cluster.daemons import alive
+
+    signalled: list[tuple[int, int]] = []
+    real = os.killpg
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: (signalled.append((pgid, sig)), real(pgid, sig))[1])
+    ctx = ProcessContext()
+    code = "import subprocess as s; print('child', s.Popen(['sleep', '60'], stdout=s.DEVNULL, stderr=s.DEVNULL).pid)"
+    proc = ctx.start("worker 0", _py(code), {}, main=True)
+    os.waitid(os.P_PID, proc.popen.pid, os.WEXITED | os.WNOWAIT)  # it exited (not reaped), its child runs on in its group
+    for t in proc.readers:
+        t.join(timeout=10)
+    child = int(proc.tail[-1].split()[1])
+    try:
+        seen = [proc.returncode, proc.returncode]
+        assert signalled == [] and seen == [None, None]  # not seen by the wait loop yet: not reaped, nothing signalled
+        assert ctx.wait() == 0 and proc.returncode == 0
+        assert signalled == [(proc.popen.pid, signal.SIGKILL)]
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)
 
 
 # --------------------------------------------------------------------------------------------
