@@ -87,6 +87,7 @@ class WorkerClient(Node):
         self._stop = self._finishing = False
         self.replicas = config.replicas()
         self.lost_servers: set[int] = set()  # their parts are served by their backups (PSKV_REPLICAS)
+        self._cut: dict[str, Any] = {}  # group -> its barrier cut short (an interrupt) as it waited: see barrier
 
     def start(self) -> None:
         """Join the job, start the I/O thread, say HELLO, share memory with servers on this host (``PSKV_SHM``)."""
@@ -359,11 +360,22 @@ class WorkerClient(Node):
             time.sleep(FLUSH_IDLE)  # (the I/O thread sends them as the window opens)
 
     def barrier(self, group: str = "worker", value: Any = NOTHING) -> list[Any]:
-        """Block until every node of ``group`` reaches it; every member's JSON ``value``, by rank ([]: none)."""
-        got: list[Any] = []
-        meta = {"group": group} if value is NOTHING else {"group": group, "value": value}
-        self.send(SCHEDULER, Message(Type.BARRIER, meta=meta), f"barrier of the {group}s", lambda m: got.extend((m.meta or {}).get("values", []))).wait()
-        return got
+        """Block until every node of ``group`` reaches it; every member's JSON ``value``, by rank ([]: none). A call cut
+        short (an interrupt) as it waited is this worker's arrival still: its next one of ``group`` is that barrier."""
+        got: list[dict[str, Any]] = []  # the answer's meta
+        cut = self._cut.pop(group, None)  # (handle, got, request id, the one it replaced) of the call cut short
+        meta = {"group": group, **({} if value is NOTHING else {"value": value}), **({"replaces": cut[2]} if cut else {})}
+        handle = self.send(SCHEDULER, msg := Message(Type.BARRIER, meta=meta), f"barrier of the {group}s", lambda m: got.append(m.meta or {}))
+        try:
+            handle.wait()
+        except BaseException:
+            if handle.error is None:  # an interrupt, before its answer or after (its own error ends it: the next call is a new barrier)
+                self._cut[group] = (handle, got, msg.req_id, cut)
+            raise
+        while got[0].get("earlier") and cut is not None:  # the one it replaced was answered first (released): that answer is this call's
+            handle, got, _, cut = cut
+            handle.wait()
+        return list(got[0].get("values", []))
 
     def close(self, failed: Optional[str] = None) -> None:
         if self._thread is None or self._stop:

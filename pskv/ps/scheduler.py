@@ -220,9 +220,14 @@ class Scheduler:
         self.status = 1
 
     def _barrier(self, node: _Node, msg: Message) -> None:
-        group = str((msg.meta or {}).get("group", "worker"))
+        group, meta = str((msg.meta or {}).get("group", "worker")), msg.meta or {}
+        if "replaces" in meta:  # the worker's barrier before was cut short (an interrupt): this request takes its place
+            held = self.admits if node.joining else self.barriers[group].waiting if group in self.barriers else {}
+            if (earlier := held.get(node.peer)) is None or earlier.req_id != meta["replaces"]:  # answered already (released): its answer is this one's
+                return self.van.post(node.peer, msg.reply(Type.OK, meta={"earlier": True}))
+            self.van.post(node.peer, error_reply(earlier, ClusterError("barrier: replaced by a later one of this worker")))  # (no one waits for it)
         if node.joining:
-            if "value" not in (msg.meta or {}):  # the others' barrier would take it for theirs
+            if "value" not in meta:  # the others' barrier would take it for theirs
                 raise ClusterError(f"{node} is back in a lost worker's place and joins at the others' next allgather; "
                                    "a plain barrier() before it admits no one (SPEC: a worker back)")
             self.admits[node.peer] = msg

@@ -465,6 +465,59 @@ def test_an_init_cut_short_by_an_interrupt_can_be_made_again(inproc_job: Job) ->
     assert values == [2.0, 2.0]
 
 
+@pytest.mark.parametrize("released", [False, True])
+def test_a_barrier_cut_short_by_an_interrupt_is_the_next_ones(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, released: bool) -> None:
+    """Worker 1's allgather is cut short (KeyboardInterrupt) while worker 0 has not come yet, or once the scheduler
+    released it (its answer not read): its next allgather is that barrier still, with its newest value if the
+    scheduler held it, else the answer of the one it took part in; the workers stay in step, and no request is left
+    open. The scheduler kept the older request unanswered (close waited PSKV_TIMEOUT for it), and one released took
+    the next call for a new barrier, which worker 0's next allgather released: the workers were a barrier apart."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "10")  # (worker 1's last allgather waited for a barrier worker 0 never made)
+    from pskv.ps.scheduler import Scheduler
+
+    job = inproc_job(2, 1)
+    go, passed, seen = threading.Event(), threading.Event(), {}
+    real_barrier = Scheduler._barrier
+
+    def barrier(self: Scheduler, node: Any, msg: Message) -> None:
+        real_barrier(self, node, msg)
+        if "replaces" in (msg.meta or {}):  # worker 1's next allgather is at the scheduler: worker 0 comes now
+            go.set()
+
+    monkeypatch.setattr(Scheduler, "_barrier", barrier)
+
+    def worker0() -> None:
+        with job.worker(rank=0) as kv:
+            go.wait(20)
+            seen[0] = [kv.allgather("zero")]
+            passed.set()
+            seen[0].append(kv.allgather("zero again"))
+
+    t = threading.Thread(target=worker0)
+    t.start()
+    with job.worker(rank=1) as kv:
+        client = kv._client  # type: ignore[attr-defined]
+        if released:  # the interrupt comes once the scheduler answered (worker 0's allgather returned)
+            go.set()
+            real = client.tracker.pump
+
+            def pump(timeout: float) -> None:
+                passed.wait(20)
+                client.tracker.pump = real
+                raise KeyboardInterrupt
+
+            client.tracker.pump = pump
+        else:
+            threading.Timer(0.3, signal.raise_signal, (signal.SIGINT,)).start()  # (its handler runs in this thread, the main one)
+        with pytest.raises(KeyboardInterrupt):
+            kv.allgather("first")
+        seen[1] = [kv.allgather("second")]
+        assert len(client.tracker) == 0, "a barrier request is left open"
+        seen[1].append(kv.allgather("one again"))
+    t.join(20)
+    assert seen[0] == seen[1] == [["zero", "first" if released else "second"], ["zero again", "one again"]], seen
+
+
 def test_pull_deadline_names_the_missing_workers(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PSKV_TIMEOUT", "1.5")
     job = inproc_job(3, 1)
