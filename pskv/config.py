@@ -79,10 +79,10 @@ shm = partial(getenv, "PSKV_SHM", "auto", choices=("auto", "0", "1"))
 
 
 def placement() -> dict[str, object]:
-    """The settings that say where keys' parts go and are kept: every worker needs the same, and
-    ``PSKV_REPLICAS`` the scheduler's too (it registers them; the scheduler compares)."""
+    """The settings that say where keys' parts go and are kept, and whether the job outlives a worker: every
+    worker needs the same, and ``PSKV_REPLICAS``, ``PSKV_MIN_WORKERS`` the scheduler's too (it registers them; the scheduler compares)."""
     chunk = chunk_bytes(False) if os.environ.get("PSKV_CHUNK_BYTES", "").strip() else "unset"  # (unset: by the hosts, alike)
-    return {"PSKV_BIGARRAY_BOUND": bigarray_bound(), "PSKV_CHUNK_BYTES": chunk, "PSKV_REPLICAS": replicas()}
+    return {"PSKV_BIGARRAY_BOUND": bigarray_bound(), "PSKV_CHUNK_BYTES": chunk, "PSKV_REPLICAS": replicas(), "PSKV_MIN_WORKERS": min_workers()}
 
 
 def chunk_bytes(across_hosts: bool) -> int:

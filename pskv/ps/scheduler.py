@@ -167,14 +167,16 @@ class Scheduler:
 
     def _check_placement(self, meta: dict[str, Any]) -> None:
         """A worker whose keys' parts would go elsewhere than the first worker's (or, PSKV_REPLICAS,
-        be kept otherwise than the scheduler expects: it went on after a lost server with no copy) is refused."""
+        be kept otherwise than the scheduler expects: it went on after a lost server with no copy), or that
+        expects the job to outlive a worker otherwise (PSKV_MIN_WORKERS: set on the workers alone, it did nothing), is refused."""
         first = next((n.meta for n in self.nodes.values() if n.role == "worker"), meta)
-        theirs, agreed = meta.get("placement") or {}, {**(first.get("placement") or {}), "PSKV_REPLICAS": self.replicas}
+        ours = {"PSKV_REPLICAS": self.replicas, "PSKV_MIN_WORKERS": self.min_workers}
+        theirs, agreed = meta.get("placement") or {}, {**(first.get("placement") or {}), **ours}
         if wrong := [k for k in agreed if theirs.get(k) != agreed[k]]:
             name = wrong[0]
-            by = "the scheduler" if name == "PSKV_REPLICAS" else f"the worker on {first.get('hostname')} (pid {first.get('pid')})"
+            by = "the scheduler" if name in ours else f"the worker on {first.get('hostname')} (pid {first.get('pid')})"
             raise ClusterError(f"this worker has {name}={theirs.get(name)}, {by} {agreed[name]}: every worker of a job (and the "
-                               "scheduler, for PSKV_REPLICAS) must be started with the same")
+                               "scheduler, for PSKV_REPLICAS and PSKV_MIN_WORKERS) must be started with the same")
 
     def _start(self) -> None:
         for role in ("server", "worker"):

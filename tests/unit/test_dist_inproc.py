@@ -751,6 +751,30 @@ def test_workers_started_with_other_placement_settings_are_refused_naming_them(m
     assert len(told) == 1 and "start waited" in told[0] and "refused: a worker on" in told[0] and "PSKV_BIGARRAY_BOUND=1000000" in told[0], told
 
 
+def test_workers_started_with_another_min_workers_than_the_schedulers_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Roles started by hand, PSKV_MIN_WORKERS=1 set on the workers alone: only the scheduler reads it, so a lost
+    worker still ended the job, silently against the setting. The scheduler refuses such a worker at registration,
+    as it does for different placement settings, naming the setting and both values."""
+    from pskv.ps.node import JobEnv
+    from pskv.ps.scheduler import Scheduler
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "3")
+    monkeypatch.delenv("PSKV_MIN_WORKERS", raising=False)
+    root = f"inproc://pskv-test-min-workers-{uuid.uuid4().hex[:8]}"
+    scheduler = Scheduler(JobEnv("scheduler", root, 0, num_workers=2, num_servers=1))
+    thread = threading.Thread(target=scheduler.run, daemon=True)
+    thread.start()
+    monkeypatch.setenv("PSKV_MIN_WORKERS", "1")
+    worker = Node(JobEnv("worker", root, 0, num_workers=2, num_servers=1))
+    try:
+        with pytest.raises(pskv.ClusterError, match="this worker has PSKV_MIN_WORKERS=1, the scheduler 0"):
+            worker.join(None)
+    finally:
+        worker.van.close(0)
+        thread.join(30)
+    assert scheduler.status == 1 and len(scheduler.refused) == 1 and "PSKV_MIN_WORKERS=1" in scheduler.refused[0], scheduler.refused
+
+
 def test_a_node_beats_as_often_as_the_schedulers_heartbeat_timeout_needs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Roles started by hand, the scheduler with PSKV_HEARTBEAT_TIMEOUT=0.6 and a worker without (a beat a
     second): the scheduler declared the healthy worker dead ('no heartbeat for 0.6 s') and ended the job.
