@@ -21,7 +21,7 @@ from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
 from ..ps import serve, timeline
 from ..ps.client import WorkerClient
-from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
+from ..ps.message import MAX_META, Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
@@ -114,13 +114,17 @@ class DistStore(KVStore):
 
     def _init_impl(self, items: list[tuple[KeyMeta, Tensor]]) -> None:
         self._client.check()
-        batches: dict[int, tuple[list[Any], list[Any]]] = {}
+        batches: dict[int, list[tuple[list[Any], list[Any]]]] = {}  # server -> its INIT messages' rows and frames
+        room: dict[int, int] = {}  # bytes of metadata the last of them still takes (a row per part: many keys need several)
         limit = self._client.data.max_frame  # the servers' (checked here, by every worker alike: worker 0's INIT would be refused, the others' wait)
         for meta, value in items:
             try:
                 dtype_name(meta.dtype)
             except errors.ProtocolError as exc:
                 raise errors.InvalidValueError(f"{meta}: {exc}") from None
+            name = repr(meta.key)
+            if (size := 100 + len(name) * (2 if name.isascii() else 12)) > MAX_META // 8:  # the most its row adds (JSON escapes); room for errors naming it
+                raise errors.KeyTypeError(f"key {name:.80}...: a name of {len(name)} characters is too long to travel to the servers")
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=meta.row_numel, chunk=chunk)
             if limit and (most := max(p.numel for p in self._parts[meta.id]) * meta.dtype.itemsize) > limit:
@@ -130,13 +134,17 @@ class DistStore(KVStore):
             flat = value.detach().to_dense().to("cpu").contiguous().view(-1) if self.rank == 0 else None
             for p in self._parts[meta.id]:
                 for s in self._client.holders(p.server):  # and its backup (PSKV_REPLICAS)
-                    rows, frames = batches.setdefault(s, ([], []))
-                    rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, repr(meta.key)])
+                    if room.get(s, 0) < size:
+                        batches.setdefault(s, []).append(([], []))
+                        room[s] = MAX_META - 1024
+                    room[s] -= size
+                    rows, frames = batches[s][-1]
+                    rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, name])
                     if flat is not None:
                         frames.append(tensor_frame(flat[p.start : p.stop]))
         head = {"mode": "async" if self._async else "sync"}
-        self._client.wait([self._client.send(s, Message(Type.INIT, meta={**head, "parts": rows}, frames=frames),
-                                             f"init of {len(rows)} parts") for s, (rows, frames) in batches.items()])
+        self._client.wait([self._client.send(s, Message(Type.INIT, meta={**head, "parts": rows}, frames=frames), f"init of {len(rows)} parts")
+                           for s, messages in batches.items() for rows, frames in messages])
 
     def _push_impl(self, items: list[Group], priority: int, wait: bool, held: bool, rescale: Optional[float]) -> Optional[Handle]:
         t0 = timeline.now()

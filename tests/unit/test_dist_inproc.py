@@ -1340,3 +1340,23 @@ def test_a_barrier_returns_when_answered_not_when_the_waiters_poll_times_out(inp
 
     for got, took in job.run_workers(body):
         assert got == [0, 1] and took < 15.0, took
+
+
+def test_tens_of_thousands_of_keys_init_in_one_call(inproc_job: Job) -> None:
+    """An init lists every part in the metadata of one INIT per server, which is at most 1 MB: 7,000 keys with
+    names of 170 characters (28,000 int keys with one server) failed with "metadata of INIT ... is 1405915 bytes;
+    at most 1048576", naming no key and no setting. Now several INITs go; the values follow the formula. A name
+    too long for any message is refused before anything is sent."""
+    job = inproc_job(2, 1)
+    keys = [f"{'encoder.layer.' * 11}{k:06d}.weight" for k in range(7_000)]
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init(keys, [torch.full((2,), float(k)) for k in range(len(keys))])
+        with pytest.raises(pskv.errors.KeyTypeError, match="a name of 1000002 characters is too long"):
+            kv.init(["short", "x" * 1_000_000], [torch.zeros(1), torch.zeros(1)])
+        kv.init("short", torch.zeros(1))  # (the refused call initialised nothing)
+        outs = [torch.empty(2) for _ in keys]
+        kv.pushpull(keys, [torch.full((2,), kv.rank + 1.0)] * len(keys), out=outs)
+        return sorted({float(o[0]) for o in outs})
+
+    assert job.run_workers(body, timeout=120) == [[3.0], [3.0]]
