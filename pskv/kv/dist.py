@@ -19,9 +19,10 @@ from .. import config, errors
 from ..compression import Compressor
 from ..ops import reduce_values, write_rows
 from ..optim import Optimizer
+from ..ps import message as wire
 from ..ps import serve, timeline
 from ..ps.client import WorkerClient
-from ..ps.message import MAX_META, Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
+from ..ps.message import Message, PushKind, Type, dtype_name, float_bits, frame_tensor, tensor_frame
 from ..ps.node import JobEnv
 from ..ps.partition import Part, place
 from ..ps.tracker import Handle, Sink
@@ -123,7 +124,7 @@ class DistStore(KVStore):
             except errors.ProtocolError as exc:
                 raise errors.InvalidValueError(f"{meta}: {exc}") from None
             name = repr(meta.key)
-            if (size := 100 + len(name) * (2 if name.isascii() else 12)) > MAX_META // 8:  # the most its row adds (JSON escapes); room for errors naming it
+            if (size := 100 + len(name) * (2 if name.isascii() else 12)) > wire.MAX_META // 8:  # the most its row adds (JSON escapes); room for errors naming it
                 raise errors.KeyTypeError(f"key {name:.80}...: a name of {len(name)} characters is too long to travel to the servers")
             chunk = self._chunk // meta.dtype.itemsize if self._chunk else None
             self._parts[meta.id] = place(meta.id, meta.numel, self.num_servers, self._bound, row_numel=meta.row_numel, chunk=chunk)
@@ -136,7 +137,7 @@ class DistStore(KVStore):
                 for s in self._client.holders(p.server):  # and its backup (PSKV_REPLICAS)
                     if room.get(s, 0) < size:
                         batches.setdefault(s, []).append(([], []))
-                        room[s] = MAX_META - 1024
+                        room[s] = wire.MAX_META - 1024
                     room[s] -= size
                     rows, frames = batches[s][-1]
                     rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, name])
@@ -416,7 +417,7 @@ class DistStore(KVStore):
         pieces: dict[int, dict[int, tuple[int, dict[str, Tensor]]]] = {}  # key -> part -> (step, tensors)
         for ans in answers:
             frames = iter(ans.frames)
-            for e in (ans.meta or {}).get("parts", []):
+            for e in wire.frame_json(next(frames)):  # (the parts' table)
                 meta, part = by_id[int(e["key"])], int(e["part"])
                 n = self._parts[meta.id][part].numel
                 pieces.setdefault(meta.id, {})[part] = (int(e["step"]), {str(name): frame_tensor(next(frames), meta.dtype, n) for name in e["names"]})
@@ -443,7 +444,7 @@ class DistStore(KVStore):
                     batches[s][0].append({"key": meta.id, "part": p.index, "step": step, "names": names})
                     batches[s][1].extend(tensor_frame(flats[n][p.start : p.stop]) for n in names)
         head = {"optimizer": state["optimizer"], "num_update": int(state["num_update"])}
-        self._to_servers(lambda s: Message(Type.SET_STATES, meta={**head, "parts": batches[s][0]}, frames=batches[s][1]),
+        self._to_servers(lambda s: Message(Type.SET_STATES, meta=head, frames=[wire.json_frame(batches[s][0]), *batches[s][1]]),
                          "load_optimizer_states")
 
     def _set_compression_impl(self, compressor: Compressor) -> None:

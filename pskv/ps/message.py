@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"PSKV"
-VERSION = 3  # 3: PUSH rows carry a rescale
+VERSION = 4  # 3: PUSH rows carry a rescale; 4: optimizer states list their parts in a JSON frame
 MAX_META = 1 << 20
 HEADER = struct.Struct("<4sBBxxqI")
 
@@ -54,11 +54,11 @@ class Type(enum.IntEnum):
     PULL = 22  # payload: PULL rows, then a row-id frame per row that asks for rows
     SET_OPTIMIZER = 24  # meta: optimizer (description), keep_states
     GET_STATES = 25
-    SET_STATES = 26  # meta: optimizer, num_update, parts [{key, part, step, names}]; payload: state tensors
+    SET_STATES = 26  # meta: optimizer, num_update; payload: a JSON frame of parts [{key, part, step, names}], then state tensors
     SHM_PROBE = 27  # meta: pid, fd, token of the worker's arena; the reply: the server's
     # replies (req_id matches the request)
     OK = 40  # payload of an answer to INIT/PUSH: ANSWER rows (the entries answered)
-    DATA = 41  # payload: ANSWER rows, then the frames they announce (PULL); or tensors (GET_STATES)
+    DATA = 41  # payload: ANSWER rows, then the frames they announce (PULL); or as SET_STATES's (GET_STATES)
     ERROR = 42  # meta: kind (an exception class name from pskv.errors), message
 
 
@@ -181,6 +181,18 @@ def decode(frames: Sequence[Buffer]) -> Message:
         if not isinstance(meta, dict):
             raise ProtocolError("metadata must be a JSON object")
     return Message(kind, req_id, meta, rest)
+
+
+def json_frame(value: Any) -> bytes:
+    """A payload frame of JSON: a table with an entry per part (optimizer states), which may be far over ``MAX_META``."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+
+def frame_json(frame: Buffer) -> Any:
+    try:
+        return json.loads(_buf(frame).tobytes())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"a JSON frame that is not JSON: {exc}") from None
 
 
 def error_reply(request: Message | None, exc: BaseException) -> Message:

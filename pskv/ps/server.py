@@ -30,7 +30,9 @@ from .message import (
     Type,
     bits_float,
     error_reply,
+    frame_json,
     frame_tensor,
+    json_frame,
     tensor_frame,
     torch_dtype,
 )
@@ -327,17 +329,17 @@ class Server(Node):
         opt, states = self.rounds.optimizer, self.rounds.states()
         parts = [{"key": p.key, "part": p.index, "step": st.step, "names": sorted(st.tensors)} for p, st in states]
         frames: list[Any] = [tensor_frame(st.tensors[n].contiguous().clone()) for _, st in states for n in sorted(st.tensors)]
-        meta = {"optimizer": opt.describe() if opt else None, "num_update": opt.num_update if opt else 0, "parts": parts}
-        self.van.post(req.route, req.msg.reply(Type.DATA, meta=meta, frames=frames))
+        meta = {"optimizer": opt.describe() if opt else None, "num_update": opt.num_update if opt else 0}
+        self.van.post(req.route, req.msg.reply(Type.DATA, meta=meta, frames=[json_frame(parts), *frames]))  # (a table in the meta: at most 1 MB)
 
     def _set_states(self, msg: Message) -> None:
         meta = msg.meta or {}
         desc = meta.get("optimizer")
-        if not isinstance(desc, dict) or not isinstance(meta.get("parts"), list):
-            raise ProtocolError("SET_STATES needs an optimizer description and a list of parts")
         entries = []
         with _Frames(msg) as frames:
-            for e in meta["parts"]:
+            if not isinstance(desc, dict) or not isinstance(table := frame_json(frames.take()), list):
+                raise ProtocolError("SET_STATES needs an optimizer description and a list of parts")
+            for e in table:
                 p = self.rounds.part(int(e["key"]), int(e["part"]))
                 entries.append((p, int(e["step"]), {str(n): frame_tensor(frames.take(), p.dtype, p.numel) for n in e["names"]}))
             num_update = int(meta.get("num_update", 0))

@@ -1360,3 +1360,23 @@ def test_tens_of_thousands_of_keys_init_in_one_call(inproc_job: Job) -> None:
         return sorted({float(o[0]) for o in outs})
 
     assert job.run_workers(body, timeout=120) == [[3.0], [3.0]]
+
+
+def test_optimizer_states_of_tens_of_thousands_of_keys_are_saved_and_loaded(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A server answered GET_STATES with a table of its parts in the metadata, which is at most 1 MB: with 17,000 keys
+    (ints near 2**62) it logged "could not send DATA" and save_optimizer_states waited PSKV_TIMEOUT plus a margin (330 s),
+    then said only that it had no answer; load_optimizer_states failed alike on SET_STATES's table. The tables travel as a
+    frame now. sgd(lr=0.5, momentum=0.5), grads of 1: 1 -> 0.5 (buffer 1, saved) -> -0.25 (buffer 1.5); loaded, -0.25 - 0.75."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "60")  # (a push of 17,000 parts with momentum may take 15 s here on a busy machine)
+    keys, ones = [2**62 - 1 - k for k in range(17_000)], [torch.ones(1)] * 17_000
+    with inproc_job(1, 1).worker() as kv:
+        kv.init(keys, ones)
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.5, momentum=0.5))
+        kv.push(keys, ones)
+        kv.save_optimizer_states(tmp_path / "states")
+        kv.push(keys, ones)
+        kv.load_optimizer_states(tmp_path / "states")
+        kv.push(keys, ones)
+        outs = [torch.empty(1) for _ in keys]
+        kv.pull(keys, outs)
+        assert {float(o) for o in outs} == {-1.0}

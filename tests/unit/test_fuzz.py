@@ -140,12 +140,9 @@ def generated(rng: random.Random) -> Message:
         }
         if rng.random() < 0.3:
             part[rng.choice(list(part))] = _junk(rng)
-        meta = {
-            "optimizer": {"name": rng.choice(OPTIMIZERS), "hyper": {}},
-            "num_update": _junk(rng),
-            "parts": rng.choice([[part], [], _junk(rng)]),
-        }
-        return Message(kind, req, meta, [_floats(rng, rng.choice([1, 4])) for _ in range(rng.randrange(3))])
+        meta = {"optimizer": {"name": rng.choice(OPTIMIZERS), "hyper": {}}, "num_update": _junk(rng)}
+        table = json.dumps(rng.choice([[part], [], _junk(rng)])).encode()  # the parts' table: a JSON frame
+        return Message(kind, req, meta, [table, *(_floats(rng, rng.choice([1, 4])) for _ in range(rng.randrange(3)))])
     meta = {
         "rank": _junk(rng),
         "answers": _junk(rng),
