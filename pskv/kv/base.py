@@ -26,6 +26,7 @@ from .. import errors
 from ..compression import Compressor
 from ..ops import outside, reduce_values, write_rows
 from ..optim import Optimizer, apply_push, load_states, save_states, updatable
+from ..ps.message import MAX_META
 from ..ps.tracker import Handle
 
 Key = Union[int, str]
@@ -370,9 +371,12 @@ class KVStore:
         that ``rejoined`` waits in its first allgather for the others' next one, where it is admitted:
         every round must be complete there (each worker pulled what it pushed)."""
         try:
-            json.dumps(value, allow_nan=False)
+            size = len(json.dumps(value, separators=(",", ":"), allow_nan=False))
         except (TypeError, ValueError) as exc:
             raise errors.InvalidValueError(f"allgather takes JSON values (numbers, strings, lists, dicts): {exc}") from None
+        if size > (most := (MAX_META - 1024) // self.num_workers - 1):  # (else the scheduler cannot send the answer: a wait of PSKV_TIMEOUT)
+            raise errors.InvalidValueError(f"allgather: a value of {size} bytes of JSON; with {self.num_workers} workers each may have at most "
+                                           f"{most} (one answer carries every worker's, at most {MAX_META} bytes): push and pull tensors instead")
         return _locked(type(self)._barrier_impl)(self, value)  # the value is checked first, then as any call
 
     @contextlib.contextmanager

@@ -246,6 +246,22 @@ def test_allgather_returns_every_workers_value_by_rank(inproc_job: Job) -> None:
     assert pskv.kv.create().allgather([1, 2]) == [[1, 2]]
 
 
+def test_an_allgather_whose_answer_would_be_too_big_is_refused_at_once(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler answers an allgather with every worker's value in one message of at most 1 MB: 3 workers each
+    gathering 400 KB (predictions of an evaluation) waited PSKV_TIMEOUT plus a margin (330 s) for an answer the scheduler
+    could not send (it logged "could not send OK"), then a DeadlineExceeded naming nothing. Now each value must fit its
+    share, said at once; the store goes on."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "10")
+    job = inproc_job(3, 1)
+
+    def body(kv: KVStore) -> list[Any]:
+        with pytest.raises(pskv.InvalidValueError, match=r"a value of 400002 bytes of JSON; with 3 workers each may have at most 349183"):
+            kv.allgather("x" * 400_000)
+        return kv.allgather("x" * 340_000)
+
+    assert job.run_workers(body) == [["x" * 340_000] * 3] * 3
+
+
 def test_row_sparse_over_split_keys(inproc_job: Job) -> None:
     job = inproc_job(2, 2)
 
