@@ -238,8 +238,8 @@ class DistStore(KVStore):
             shm = p.server in self._client.shm_servers
             if sparse:
                 r0, r1 = p.start // meta.row_numel, p.stop // meta.row_numel
-                sel = (ids >= r0) & (ids < r1)
-                kind, frames = PushKind.SPARSE, [tensor_frame((ids[sel] - r0).contiguous()), tensor_frame(vals[sel].contiguous())]
+                i0, i1 = torch.searchsorted(ids, torch.tensor([r0, r1])).tolist()  # its run of the (coalesced: sorted) ids
+                kind, frames = PushKind.SPARSE, [tensor_frame(ids[i0:i1] - r0), tensor_frame(vals[i0:i1].contiguous())]
             elif comp is not None:
                 kind = PushKind.COMPRESSED
                 frames = [tensor_frame(comp.codec.encode(f[p.start : p.stop], r[p.start : p.stop]).to("cpu").contiguous()) for f, r in zip(flats, residuals)]
