@@ -227,6 +227,8 @@ class Rounds:
         out: list[Answer] = []
         while p.held is None and all(p.queued.get(r) for r in self.workers):
             entries = [p.queued[r].popleft() for r in self.workers]
+            for r in [r for r in self.workers if not p.queued[r]]:  # (a part with no push waiting: finish passes it over)
+                del p.queued[r]
             out += [ack for _, ack, _ in entries if ack is not None]
             merged = self._merge(p, [g for g, _, _ in entries])
             held = merged is not None and any(h for _, _, h in entries)
@@ -335,8 +337,8 @@ class Rounds:
         """Worker ``rank`` closed its store: fail every round that still needs it."""
         if rank not in self.workers:  # lost earlier: no round needs it
             return []
-        self.finished.add(rank)
-        return [a for p in self.parts.values() for a in self._fail_blocked(p)] + self._fail_inits()
+        self.finished.add(rank)  # (a part nothing waits on is passed over: each finish looked for its blocked rounds, parts x W^2 in all)
+        return [a for p in self.parts.values() if p.pulls or any(p.queued.values()) for a in self._fail_blocked(p)] + self._fail_inits()
 
     def _fail_inits(self) -> list[Answer]:
         """Fail the inits that wait for a value worker 0 finished without sending (they waited ``PSKV_TIMEOUT``)."""
