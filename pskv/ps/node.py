@@ -240,12 +240,16 @@ class Node:
     def name(self) -> str:
         return f"{self.role} {self.rank}"
 
-    def tick(self, now: float) -> None:
-        """Send a heartbeat when due; :class:`NodeFailedError` if the scheduler went silent."""
+    def beat(self, now: float) -> None:
+        """Send a heartbeat when due (a server, also between the requests of a long batch)."""
         if now >= self._next_hb:
             self._next_hb = now + self.hb_interval
-            with contextlib.suppress(PeerUnreachable):  # silence is judged below
+            with contextlib.suppress(PeerUnreachable):  # silence is judged by tick
                 self.van.send("scheduler", Message(Type.HEARTBEAT))
+
+    def tick(self, now: float) -> None:
+        """Send a heartbeat when due; :class:`NodeFailedError` if the scheduler went silent."""
+        self.beat(now)
         silent = self.van.polled - self.last_heard  # not ``now``: what waits unread is not silence
         if silent > self.hb_timeout:
             raise NodeFailedError(f"the scheduler at {self.env.scheduler_endpoint} has not answered for {silent:.1f} s "

@@ -111,6 +111,7 @@ class Server(Node):
             while self.status is None:
                 for peer, msg in backlog or self.van.recv(0.2):
                     self._dispatch(peer, msg)
+                    self.beat(time.monotonic())  # (a batch of big requests, many keys each, may outlast PSKV_HEARTBEAT_TIMEOUT)
                 backlog = []
                 now = time.monotonic()
                 try:

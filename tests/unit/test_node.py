@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pskv.errors import ClusterError
@@ -128,3 +130,25 @@ def test_what_a_peer_sent_before_its_connection_closed_comes_before_its_end(monk
         assert got[0][1].type == Type.NODE_FAILED and isinstance(got[1][1], PeerGone)
     finally:
         worker.close(linger=0)
+
+
+def test_a_server_beats_between_the_requests_of_a_long_batch(offline_server: Any) -> None:
+    """A server sent its heartbeat once per batch of messages (up to 256 from its socket): a batch of big requests
+    (8 workers' inits and pushes of 30,000 keys each, with PSKV_HEARTBEAT_TIMEOUT=4) kept the live server silent past
+    the deadline and the scheduler declared it dead; 16 workers with 100,000 keys would at the default 30 s. Now it
+    beats between requests when one is due: here always due, after each of a batch of 5."""
+    from pskv.ps.message import Message, Type
+
+    off = offline_server()
+    server = off.server
+    server.join = lambda endpoint: [("w0", Message(Type.GET_STATES, i)) for i in range(5)]  # the first batch
+
+    def recv(timeout: float) -> list[Any]:
+        server.status = 0  # the second batch: none, and the loop ends
+        return []
+
+    server.van.recv = recv
+    server.hb_interval = 0.0
+    off.replies.clear()
+    assert server.run() == 0
+    assert [m.type for _, m in off.replies] == [Type.DATA, Type.HEARTBEAT] * 5 + [Type.HEARTBEAT] * 2  # (and after each batch)
