@@ -726,11 +726,13 @@ def test_workers_started_with_other_placement_settings_are_refused_naming_them(m
     different PSKV_BIGARRAY_BOUND or PSKV_CHUNK_BYTES put the workers' parts on different servers (an
     init that waited PSKV_TIMEOUT for worker 0's value, or a shape mismatch blaming the program). The
     scheduler refuses such a worker at once, naming the setting and whom it differs from, and its
-    start-timeout error, which every waiting process gets, says so too."""
+    start-timeout error, which every waiting process gets, says so too. So is PSKV_MIN_WORKERS, which only the
+    scheduler reads: set on the workers alone, a lost worker still ended the job."""
     from pskv.ps.node import JobEnv
     from pskv.ps.scheduler import Scheduler
 
     monkeypatch.setenv("PSKV_START_TIMEOUT", "3")
+    monkeypatch.delenv("PSKV_MIN_WORKERS", raising=False)
     monkeypatch.setenv("PSKV_REPLICAS", "1")
     root = f"inproc://pskv-test-placement-{uuid.uuid4().hex[:8]}"
     scheduler = Scheduler(JobEnv("scheduler", root, 0, num_workers=2, num_servers=2))
@@ -742,6 +744,12 @@ def test_workers_started_with_other_placement_settings_are_refused_naming_them(m
         first.join(None)
     first.van.close(0)
     monkeypatch.setenv("PSKV_REPLICAS", "1")
+    monkeypatch.setenv("PSKV_MIN_WORKERS", "1")
+    second = Node(JobEnv("worker", root, 0, num_workers=2, num_servers=2))
+    with pytest.raises(pskv.ClusterError, match="this worker has PSKV_MIN_WORKERS=1, the scheduler 0"):
+        second.join(None)
+    second.van.close(0)
+    monkeypatch.delenv("PSKV_MIN_WORKERS")
     nodes = [Node(JobEnv("worker", root, 0, num_workers=2, num_servers=2)) for _ in range(2)]
     told: list[str] = []
 
@@ -763,32 +771,9 @@ def test_workers_started_with_other_placement_settings_are_refused_naming_them(m
         for node in nodes:
             node.van.close(0)
         thread.join(30)
-    assert scheduler.status == 1 and len(scheduler.refused) == 2 and "PSKV_BIGARRAY_BOUND=1000000" in scheduler.refused[1]
+    assert scheduler.status == 1 and len(scheduler.refused) == 3 and "PSKV_MIN_WORKERS=1" in scheduler.refused[1]
+    assert "PSKV_BIGARRAY_BOUND=1000000" in scheduler.refused[2], scheduler.refused
     assert len(told) == 1 and "start waited" in told[0] and "refused: a worker on" in told[0] and "PSKV_BIGARRAY_BOUND=1000000" in told[0], told
-
-
-def test_workers_started_with_another_min_workers_than_the_schedulers_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Roles started by hand, PSKV_MIN_WORKERS=1 set on the workers alone: only the scheduler reads it, so a lost
-    worker still ended the job, silently against the setting. The scheduler refuses such a worker at registration,
-    as it does for different placement settings, naming the setting and both values."""
-    from pskv.ps.node import JobEnv
-    from pskv.ps.scheduler import Scheduler
-
-    monkeypatch.setenv("PSKV_START_TIMEOUT", "3")
-    monkeypatch.delenv("PSKV_MIN_WORKERS", raising=False)
-    root = f"inproc://pskv-test-min-workers-{uuid.uuid4().hex[:8]}"
-    scheduler = Scheduler(JobEnv("scheduler", root, 0, num_workers=2, num_servers=1))
-    thread = threading.Thread(target=scheduler.run, daemon=True)
-    thread.start()
-    monkeypatch.setenv("PSKV_MIN_WORKERS", "1")
-    worker = Node(JobEnv("worker", root, 0, num_workers=2, num_servers=1))
-    try:
-        with pytest.raises(pskv.ClusterError, match="this worker has PSKV_MIN_WORKERS=1, the scheduler 0"):
-            worker.join(None)
-    finally:
-        worker.van.close(0)
-        thread.join(30)
-    assert scheduler.status == 1 and len(scheduler.refused) == 1 and "PSKV_MIN_WORKERS=1" in scheduler.refused[0], scheduler.refused
 
 
 def test_a_node_beats_as_often_as_the_schedulers_heartbeat_timeout_needs(monkeypatch: pytest.MonkeyPatch) -> None:
