@@ -120,7 +120,7 @@ class DistStore(KVStore):
         limit = self._client.data.max_frame  # the servers' (checked here, by every worker alike: worker 0's INIT would be refused, the others' wait)
         for meta, value in items:
             try:
-                dtype_name(meta.dtype)
+                dtype = dtype_name(meta.dtype)
             except errors.ProtocolError as exc:
                 raise errors.InvalidValueError(f"{meta}: {exc}") from None
             name = repr(meta.key)
@@ -140,7 +140,7 @@ class DistStore(KVStore):
                         room[s] = wire.MAX_META - 1024
                     room[s] -= size
                     rows, frames = batches[s][-1]
-                    rows.append([meta.id, p.index, dtype_name(meta.dtype), p.numel, meta.row_numel, meta.row_sparse, name])
+                    rows.append([meta.id, p.index, dtype, p.numel, meta.row_numel, meta.row_sparse, name])
                     if flat is not None:
                         frames.append(tensor_frame(flat[p.start : p.stop]))
         head = {"mode": "async" if self._async else "sync"}
