@@ -22,7 +22,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from .. import config
 from ..errors import ClusterError, ProtocolError
-from .message import Message, _buf, decode, encode
+from .message import Message, Type, _buf, decode, encode, error_reply
 
 
 class PeerUnreachable(ClusterError):
@@ -169,11 +169,13 @@ class Van:
 
     def post(self, peer: str, msg: Message) -> None:
         """:meth:`send`, logging a failure instead of raising it (a peer that vanished must not take a server
-        or the scheduler down)."""
+        or the scheduler down); a message too big to send goes as an ERROR saying so (its peer waited for it)."""
         try:
             self.send(peer, msg)
         except Exception as exc:
             self._log(f"could not send {msg.type.name} to {peer}: {exc}")
+            if isinstance(exc, ProtocolError) and msg.type != Type.ERROR:
+                self.post(peer, error_reply(msg, exc))
 
     def recv(self, timeout: float) -> list[Received]:
         """Messages that arrived, waiting up to ``timeout`` s for the first (or a wake-up); one
