@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 MAGIC = b"PSKV"
-VERSION = 4  # 3: PUSH rows carry a rescale; 4: optimizer states list their parts in a JSON frame
+VERSION = 5  # 3: PUSH rows carry a rescale; 4: optimizer states list their parts in a JSON frame; 5: so does NODES its nodes
 MAX_META = 1 << 20
 HEADER = struct.Struct("<4sBBxxqI")
 
@@ -37,7 +37,7 @@ class Type(enum.IntEnum):
 
     # node <-> scheduler
     REGISTER = 1  # meta: role, endpoint, host, hostname, pid, shm_host, id (the rank asked for, or null)
-    NODES = 2  # meta: rank (this node's), servers, workers (the node table)
+    NODES = 2  # meta: rank (this node's), heartbeat, rejoined; payload: a JSON frame of servers, workers (the node table)
     BARRIER = 3  # meta: group ("worker", "server", "all"), value (optional, JSON)
     HEARTBEAT = 5
     HEARTBEAT_ACK = 6

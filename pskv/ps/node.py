@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from .. import config
 from ..errors import ClusterError, NodeFailedError, deadline, from_reply, node_failed
-from .message import Message, Type
+from .message import Message, Type, frame_json
 from .van import ROLES, PeerGone, PeerUnreachable, Van
 
 _LOOPBACK = ("127.", "localhost", "::1")
@@ -221,7 +221,7 @@ class Node:
                 elif msg.type == Type.NODE_FAILED:  # after the table: this node, declared lost while it was stopped
                     raise failure(msg)
                 elif msg.type == Type.NODES:
-                    table = msg.meta or {}
+                    table = {**(msg.meta or {}), **frame_json(msg.frames[0] if msg.frames else b"")}
                     self.rank, self.rejoined = int(table["rank"]), bool(table.get("rejoined"))
                     self.van.identity = (self.role, self.rank)
                     self.servers, self.workers = list(table["servers"]), list(table["workers"])

@@ -12,7 +12,7 @@ from typing import IO, Any, Optional
 
 from .. import config
 from ..errors import ClusterError, deadline, describe_node, finished_without, node_failed
-from .message import MAX_META, Message, Type, error_reply
+from .message import MAX_META, Message, Type, error_reply, json_frame
 from .node import JobEnv, lost_launcher, say, watch_launcher
 from .van import PeerGone, Van
 
@@ -188,20 +188,22 @@ class Scheduler:
         self._tell("started")  # first: pskv launch knows before a worker can have finished (ProcessContext.wait)
         for n in self.nodes.values():
             n.last_seen = time.monotonic()
-            self.van.post(n.peer, Message(Type.NODES, meta={"rank": n.rank, **self._table()}))
+        self._send_table([(n.peer, n.rank) for n in self.nodes.values()])
         say("scheduler", "all nodes registered; job started")
 
-    def _table(self) -> dict[str, Any]:
-        """The node table: every rank's latest node (a lost server's marked: a worker that rejoins skips it)."""
+    def _send_table(self, to: list[tuple[str, int]], **meta: Any) -> None:
+        """The node table, every rank's latest node (a lost server's marked: a worker that rejoins skips it), to each
+        (peer, its rank); in a JSON frame (a row per node: thousands are over MAX_META), encoded once."""
         latest = {(n.role, n.rank): {**n.info(), **({"lost": True} if n.lost else {})} for n in self.nodes.values()}
-        return {**{f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")},
-                "heartbeat": config.heartbeat_interval()}  # (how often we need to hear from each node: PSKV_HEARTBEAT_*)
+        table = json_frame({f"{role}s": [latest[k] for k in sorted(latest) if k[0] == role] for role in ("server", "worker")})
+        for peer, rank in to:  # heartbeat: how often we need to hear from each node (PSKV_HEARTBEAT_*)
+            self.van.post(peer, Message(Type.NODES, meta={"rank": rank, "heartbeat": config.heartbeat_interval(), **meta}, frames=[table]))
 
     def _rejoin(self, peer: str, meta: dict[str, Any], rank: int) -> None:
         """A worker registers in the place of lost worker ``rank`` (pskv launch --max-restarts): it
         gets that rank now, and is admitted at the workers' next allgather (see ``_release``)."""
         node = self.nodes[peer] = _Node(peer, "worker", meta, rank, joining=True)
-        self.van.post(node.peer, Message(Type.NODES, meta={"rank": rank, "rejoined": True, **self._table()}))
+        self._send_table([(node.peer, rank)], rejoined=True)
         self._tell(f"back worker {rank}")  # (pskv launch stops one still starting when the job ends)
         say("scheduler", f"worker {rank} is back from {meta.get('hostname')} pid {meta.get('pid')}; it joins at the next allgather")
 

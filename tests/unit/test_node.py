@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from pskv.errors import ClusterError
 from pskv.ps.node import JobEnv
@@ -78,10 +79,10 @@ def test_news_that_came_with_the_node_table_goes_to_the_caller() -> None:
     """The scheduler may send news right after a node's table (SERVER_LOST: a backup took a server's
     place as the job started): join read both in one batch and dropped the news, and the worker went
     on sending to the lost server until its deadline."""
-    from pskv.ps.message import Message, Type
+    from pskv.ps.message import Message, Type, json_frame
     from pskv.ps.node import Node
 
-    table = Message(Type.NODES, meta={"rank": 0, "servers": [{}, {}], "workers": [{}, {}, {}]})
+    table = Message(Type.NODES, meta={"rank": 0}, frames=[json_frame({"servers": [{}, {}], "workers": [{}, {}, {}]})])
     lost = Message(Type.SERVER_LOST, meta={"rank": 1})
 
     class OneBatch:  # the scheduler's connection, as the node's van shows it
@@ -152,3 +153,51 @@ def test_a_server_beats_between_the_requests_of_a_long_batch(offline_server: Any
     off.replies.clear()
     assert server.run() == 0
     assert [m.type for _, m in off.replies] == [Type.DATA, Type.HEARTBEAT] * 5 + [Type.HEARTBEAT] * 2  # (and after each batch)
+
+
+def test_a_node_table_over_a_megabyte_reaches_every_node(inproc_job: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node table went in the NODES message's metadata, at most 1 MB (~5,000 nodes' rows): the scheduler
+    could not encode it, logged that and sent nothing, and every node waited PSKV_START_TIMEOUT for a table that
+    was never coming. Here 4 nodes of 300 KB host identities make a 1.2 MB table: it travels in a JSON frame now."""
+    from pskv.ps import node
+
+    monkeypatch.setenv("PSKV_START_TIMEOUT", "20")
+    monkeypatch.setattr(node, "host_identity", lambda: "h" * 300_000)  # (what a node registers with: its row)
+    job = inproc_job(1, 3)
+    with job.worker() as kv:
+        assert len(kv._client.servers) == 3 and kv._client.servers[2]["shm_host"] == "h" * 300_000  # type: ignore[attr-defined]
+        kv.init(3, torch.ones(4))
+        kv.push(3, torch.ones(4))
+        out = torch.empty(4)
+        kv.pull(3, out)
+        assert out.tolist() == [1.0] * 4
+
+
+def test_a_reply_too_big_to_send_is_answered_with_an_error_naming_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Van.post logged a message it could not encode (metadata over 1 MB) and dropped it: its peer, waiting for the
+    answer, waited its whole timeout (PSKV_TIMEOUT, 330 s) without a word. It gets an ERROR saying why now."""
+    import time
+
+    from pskv.ps.message import MAX_META, Message, Type
+    from pskv.ps.van import Van
+
+    monkeypatch.delenv("PSKV_SECRET", raising=False)
+    server, worker = Van("server"), Van("worker")
+    try:
+        worker.connect("server", server.listen("tcp://127.0.0.1:0"))
+        worker.send("server", Message(Type.GET_STATES, req_id=7))
+        until, got = time.monotonic() + 10, []
+        while not got and time.monotonic() < until:
+            got = server.recv(0.1)
+        peer, request = got[0]
+        server.post(peer, request.reply(Type.DATA, meta={"big": "x" * (MAX_META + 1)}))
+        answer = []
+        while not answer and time.monotonic() < until:
+            answer = worker.recv(0.1)
+        assert answer, "no answer in 10 s"
+        reply = answer[0][1]
+        assert (reply.type, reply.req_id) == (Type.ERROR, 7), reply
+        assert reply.meta["kind"] == "ProtocolError" and f"at most {MAX_META}" in reply.meta["message"], reply.meta
+    finally:
+        worker.close(linger=0)
+        server.close(linger=0)
