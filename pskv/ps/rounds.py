@@ -172,7 +172,7 @@ class Rounds:
         latest: dict[int, int] = {}  # a part may come several times in one request: its rounds in order
         for e in entries:
             p = e.part
-            if e.reply and (blocker := self._blocker(p, e.round)):
+            if e.reply and p.mode == "sync" and (blocker := self._blocker(p, e.round)):  # (async: answered once applied)
                 raise blocker
             if p.mode == "async" and self.optimizer is None:
                 raise OptimizerRequiredError(f"key {p.name}: dist_async applies pushes on the servers and needs an "

@@ -186,6 +186,32 @@ def test_async_applies_every_push(inproc_job: Job) -> None:
     assert job.run_workers(body, "dist_async") == pytest.approx([want] * 3)
 
 
+def test_async_pushpull_goes_on_after_another_worker_finished(inproc_job: Job) -> None:
+    """dist_async applies each push as it comes, but a pushpull's push (answered with the value) was refused once
+    another worker had finished with fewer pushes: "worker 1 finished without pushing key 0 for round 2; it can
+    never complete" (a pull was not: it checks that only in dist_sync). SGD lr 1: 0 - 1 - 1 - 1 = -3."""
+    job = inproc_job(2, 1)
+    closed = threading.Event()
+
+    def body(kv: KVStore) -> list[float]:
+        kv.init(0, torch.zeros(3))
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0))
+        if kv.rank == 1:
+            kv.close()  # finishes without a push
+            closed.set()
+            return []
+        assert closed.wait(30)
+        time.sleep(0.5)  # (its FINALIZE reaches the server)
+        out = torch.empty(3)
+        seen = []
+        for _ in range(3):
+            kv.pushpull(0, torch.ones(3), out)
+            seen.append(out.tolist())
+        return seen
+
+    assert job.run_workers(body, "dist_async")[0] == [[-1.0] * 3, [-2.0] * 3, [-3.0] * 3]
+
+
 def test_async_server_refuses_pushes_without_optimizer_and_stays_up(inproc_job: Job) -> None:
     """A worker that skips the client-side check still gets a clear error from the server."""
     job = inproc_job(1, 1)
