@@ -152,7 +152,6 @@ class DistStore(KVStore):
         handle = self._queue_push(items, self._client.handle(), None, wait, int(held), priority, rescale)
         timeline.span("push (copy in, queue)", t0, keys=len(items))
         if wait:  # the caller may change its tensors once push returns: wait until zmq has the bytes
-            self._client.flush()
             self._client.wait_sent(handle)
             return None
         return self._done(handle, False)

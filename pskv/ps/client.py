@@ -9,7 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, cast
 
 import torch
 
@@ -23,9 +23,9 @@ from ..errors import (
     StoreClosedError,
 )
 from . import shm, timeline
-from .message import PULL, PUSH, Message, Type
+from .message import PULL, PUSH, Message, PushKind, Type
 from .node import JobEnv, Node, failure, host_identity, say
-from .tracker import BATCHED, Entry, Handle, OnReply, Request, Tracker
+from .tracker import BATCHED, Both, Entry, Handle, OnReply, Request, Tracker
 from .van import PeerGone, PeerUnreachable, Van
 
 SCHEDULER = -1  # ``send``'s destination for the scheduler; servers are 0 .. S-1
@@ -58,6 +58,20 @@ def _by_priority(batch: list[Queued]) -> list[Queued]:
         lowest[part] = min(q.priority, lowest.get(part, q.priority))
         order.append((-lowest[part], q.seq, q))
     return [q for *_, q in sorted(order, key=lambda o: o[:2])]
+
+
+def _fold(batches: dict[tuple[int, Type], list[Queued]]) -> None:
+    """A whole pull of a part that goes with a plain push of it (``kv.push`` then ``kv.pull``) rides on that push's
+    row, in place: the push is answered with the part's value, as ``pushpull``'s (one request and one answer, not two)."""
+    for (server, kind), pulls in batches.items():
+        pushes = batches.get((server, Type.PUSH)) if kind == Type.PULL else None
+        plain = {(q.row[0], q.row[1], q.row[2]): i for i, q in enumerate(pushes or []) if not (q.row[3] == PushKind.SPARSE or any(q.row[7:9]))}
+        for q in list(pulls) if plain else ():
+            if not any(q.row[4:7]) and (i := plain.pop((q.row[0], q.row[1], q.row[2]), None)) is not None:  # (rows, rescale, mirror: none)
+                push = pushes[i]  # type: ignore[index]
+                both = cast(Handle, Both(push.entry[0], q.entry[0]))
+                pushes[i] = push._replace(row=(*push.row[:8], 1, push.row[9]), entry=(both, *q.entry[1:]))  # type: ignore[index]
+                pulls.remove(q)
 
 
 class WorkerClient(Node):
@@ -126,8 +140,11 @@ class WorkerClient(Node):
         say(self.name, f"joined: {len(self.workers)} workers, {len(self.servers)} servers; shared memory with servers {sorted(self.shm_servers)}")
 
     def send(self, to: int, msg: Message, what: str, on_reply: Optional[OnReply] = None) -> Handle:
-        """Send one whole message to server ``to`` (or :data:`SCHEDULER`); ``what`` names it in errors."""
+        """Send one whole message to server ``to`` (or :data:`SCHEDULER`), after the rows queued before it (a push
+        that returned before its rows left: :meth:`wait_sent`); ``what`` names it in errors."""
         self._check_open()
+        if self._pending or self._sending.locked():  # rows queued, or being sent by the I/O thread: they go first
+            self.flush()
         handle = Handle(self.tracker)
         parts = len((msg.meta or {}).get("parts", [])) if msg.type in BATCHED else 1  # INIT: answered part by part
         handle._left = parts  # (a batch's rows are counted as they are queued)
@@ -226,6 +243,8 @@ class WorkerClient(Node):
                 batches = [(k, self._pending.pop(k), room) for k, room in sorted(rooms.items()) if room > 0]
                 for (server, _), batch, _ in batches:
                     self._pending_bytes[server] -= sum(q.nbytes for q in batch)
+                if not self.replicas:
+                    _fold(dict(((s, kind), b) for (s, kind), b, _ in batches))
                 # the parts of pushes that wait: their pulls wait behind them (a pull sees the earlier pushes)
                 waiting = {s: {(q.row[0], q.row[1]) for q in rows} for (s, kind), rows in self._pending.items() if kind == Type.PUSH and self._window}
             held = []
@@ -346,7 +365,13 @@ class WorkerClient(Node):
 
     def wait_sent(self, handle: Handle) -> None:
         """Block until the payload buffers of ``handle``'s pushes may be reused (zmq has the bytes); its
-        rows that wait for a window are sent first."""
+        rows that wait for a window are sent first. Rows whose bytes are in our shared memory (copied, not from a
+        GPU) leave soon instead: a pull that follows may ride on them (:func:`_fold`)."""
+        with self._lock:
+            framed = any(q.frames or q.ready is not None for rows in self._pending.values() for q in rows if q.entry[0] is handle)
+        if not framed and not handle.sent:
+            return self.flush(soon=True)
+        self.flush()
         until = time.monotonic() + self.tracker.timeout
         while True:
             for waiter in handle.sent:

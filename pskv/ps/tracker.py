@@ -90,7 +90,20 @@ class Handle:
         self._done = self._left <= 0 or error is not None
 
 
-Entry = tuple[Handle, Optional[Sink], Any]  # the call a row serves, where its answer goes, its dtype
+class Both:
+    """The calls of a push and of a pull that rides on its row (``client._fold``): its answer settles both."""
+
+    __slots__ = ("pull", "push", "sent")  # (sent: unread, its push's wait_sent returned before it rode)
+
+    def __init__(self, push: Handle, pull: Handle):
+        self.push, self.pull, self.sent = push, pull, ()
+
+    def _settle(self, error: Optional[BaseException] = None) -> None:
+        self.push._settle(error)
+        self.pull._settle(error)
+
+
+Entry = tuple[Handle, Optional[Sink], Any]  # the call a row serves (or a Both), where its answer goes, its dtype
 
 
 class Request:

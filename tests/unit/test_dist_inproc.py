@@ -23,7 +23,7 @@ import zmq
 
 import pskv
 from pskv.kv import KVStore
-from pskv.ps.message import HEADER, MAGIC, PUSH, Message, Type, decode, encode, tensor_frame
+from pskv.ps.message import HEADER, MAGIC, PULL, PUSH, Message, Type, decode, encode, tensor_frame
 from pskv.ps.node import Node
 
 Job = Callable[..., Any]
@@ -65,6 +65,59 @@ def test_sync_rounds_follow_the_formula(inproc_job: Job, workers: int, servers: 
     results = job.run_workers(body)
     assert all(r == results[0] for r in results)
     assert job.join() == {"scheduler": 0, **{f"server {s}": 0 for s in range(servers)}}
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_pull_after_a_push_of_the_same_parts_rides_on_its_request(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, wait: bool) -> None:
+    """``kv.push`` then ``kv.pull`` (MXNet's idiom) sent a PUSH and a PULL to each server, each answered: the pull now
+    rides on the push's rows (answered with the value, as pushpull's), one request and one answer per server. The
+    blocking push's bytes are in shared memory, so it may leave with the pull. Values: the sum, then SPEC's SGD."""
+    from pskv.ps import client
+
+    monkeypatch.setenv("PSKV_SHM", "1")
+    monkeypatch.setattr(client, "FLUSH_IDLE", 5.0)  # (the I/O thread sends queued rows after a pause: not before the pull here)
+    monkeypatch.setattr(client, "FLUSH_DELAY", 10.0)
+    job = inproc_job(2, 2)
+
+    def body(kv: KVStore) -> list[list[tuple[str, int]]]:
+        sent: list[tuple[str, int]] = []  # per message: its kind, and its rows (a PUSH's: those answered with the value)
+        van = kv._client.data  # type: ignore[attr-defined]
+        real = van.send
+
+        def counting(peer: str, msg: Message, track: bool = False) -> Any:
+            if msg.type in (Type.PUSH, Type.PULL):
+                rows = list((PUSH if msg.type == Type.PUSH else PULL).unpack(msg.frames[0]))
+                sent.append((msg.type.name, sum(r.reply for r in rows) if msg.type == Type.PUSH else len(rows)))
+            return real(peer, msg, track)
+
+        def step(keys: list[int], outs: list[torch.Tensor]) -> None:
+            grads = [torch.full(out.shape, float(kv.rank + 1)) for out in outs]
+            if wait:
+                kv.push(keys, grads)
+                kv.pull(keys, outs)
+            else:
+                for h in [kv.push(keys, grads, wait=False), kv.pull(keys, outs, wait=False)]:
+                    h.wait()  # type: ignore[union-attr]
+
+        van.send = counting
+        seen = []
+        for first, rounds in ((0, 1), (10, 3)):  # no optimizer: the sum replaces the value; then SGD on the servers
+            keys = [first + k for k in range(3)]
+            outs = [torch.empty(600, 600 + k) for k in range(3)]  # 2 parts each: one per server
+            kv.init(keys, [torch.ones(out.shape) for out in outs])
+            if first:
+                kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.1, rescale_grad=0.5))
+            for i in range(rounds):
+                step(keys, outs)
+                want = 3.0 if not first else formula_sgd(2, 0.1, 0.5, i + 1)
+                assert all(torch.allclose(out, torch.full(out.shape, want)) for out in outs), (first, i, [o.flatten()[:2] for o in outs])
+            seen.append(sorted(set(sent)))
+            sent.clear()
+        kv.pull(keys, outs)  # no push before it: PULLs of their own
+        assert sorted(sent) == [("PULL", 3), ("PULL", 3)], sent
+        return seen
+
+    assert job.run_workers(body) == [[[("PUSH", 3)]] * 2] * 2  # each server's PUSH: its 3 parts answered with their values
 
 
 @pytest.mark.parametrize("shm", ["1", "0"])
