@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple, Optional, TypeVar
@@ -30,7 +29,7 @@ PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
 ANSWER_BYTES = 4 << 20  # a pull that applies held updates answers what is done after about this many bytes of them
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Answer:
     """One entry of a request: kept while it waits for its round or its value, then what to send for it."""
 
@@ -94,7 +93,7 @@ class Part:
     rounds: int = 0  # rounds completed
     pushed: dict[int, int] = field(default_factory=dict)  # worker -> pushes accepted from it
     base: dict[int, int] = field(default_factory=dict)  # worker -> the rounds before it rejoined (it counts from 0)
-    queued: dict[int, deque[tuple[Tensor, Optional[Answer], bool]]] = field(default_factory=dict)  # not merged yet
+    queued: dict[int, list[tuple[Tensor, Optional[Answer], bool]]] = field(default_factory=dict)  # not merged yet (lists: a deque is 760 B)
     held: Optional[Tensor] = None  # a round's merged gradient waiting for its rescale
     present: Optional[Tensor] = None  # the rows of the last round, when it was a row-sparse push without an optimizer
     rescale: Optional[tuple[int, float]] = None  # (round, rescale) the round's first pull brought (the others must agree)
@@ -202,7 +201,7 @@ class Rounds:
                 out.append(self._answer(p, Answer(req, i)) if e.reply else Answer(req, i))
                 continue
             ack = Answer(req, i, e.round) if e.ack_when_merged and not e.reply else None
-            p.queued.setdefault(rank, deque()).append((e.grad, ack, e.held))
+            p.queued.setdefault(rank, []).append((e.grad, ack, e.held))
             if e.reply:  # answered like a pull of its round (which comes after the merge)
                 p.pulls.append(Answer(req, i, e.round))
             elif ack is None:
@@ -226,7 +225,7 @@ class Rounds:
         A held round stops here: its update waits for the rescale a pull brings."""
         out: list[Answer] = []
         while p.held is None and all(p.queued.get(r) for r in self.workers):
-            entries = [p.queued[r].popleft() for r in self.workers]
+            entries = [p.queued[r].pop(0) for r in self.workers]
             for r in [r for r in self.workers if not p.queued[r]]:  # (a part with no push waiting: finish passes it over)
                 del p.queued[r]
             out += [ack for _, ack, _ in entries if ack is not None]
