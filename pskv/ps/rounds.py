@@ -127,6 +127,7 @@ class Rounds:
         self.parts: dict[tuple[int, int], Part] = {}
         self.optimizer: Optional[Optimizer] = None
         self.finished: set[int] = set()  # workers that closed their store
+        self.waiting: dict[Part, None] = {}  # the parts where a pull or an INIT may wait (a dict: in the order they came)
 
     def part(self, key: int, index: int) -> Part:
         """The part ``(key, index)``, with its value (else :class:`KeyNotInitializedError`)."""
@@ -164,6 +165,8 @@ class Rounds:
                 out += p.inits
                 p.inits = []
                 p.initialised_by.clear()  # (read only while the value is late: 728 B a part for 8 workers)
+            else:
+                self.waiting[p] = None
         return out + self._fail_inits()
 
     def push(self, req: Any, rank: int, entries: list[PushEntry]) -> list[Answer]:
@@ -205,6 +208,7 @@ class Rounds:
             p.queued.setdefault(rank, []).append((e.grad, ack, e.held))
             if e.reply:  # answered like a pull of its round (which comes after the merge)
                 p.pulls.append(Answer(req, i, e.round))
+                self.waiting[p] = None
             elif ack is None:
                 out.append(Answer(req, i))
             touched[id(p)] = p
@@ -261,6 +265,8 @@ class Rounds:
         p.rounds += 1
         ready = [w for w in p.pulls if w.round <= p.rounds]
         p.pulls = [w for w in p.pulls if w.round > p.rounds]
+        if not p.pulls:  # (a part with its value has no INIT waiting)
+            self.waiting.pop(p, None)
         return [self._answer(p, w) for w in ready]
 
     def pull(self, req: Any, rank: int, entries: list[PullEntry], early: Optional[Callable[[list[Answer]], None]] = None) -> list[Answer]:
@@ -298,6 +304,7 @@ class Rounds:
                 out.append(self._answer(p, w))
             else:
                 p.pulls.append(w)
+                self.waiting[p] = None
         return out
 
     def _answer(self, p: Part, w: Answer) -> Answer:
@@ -367,8 +374,10 @@ class Rounds:
 
     def expire(self, now: float) -> list[Answer]:
         """Fail the requests that waited longer than the timeout, saying what they wait for."""
+        self.waiting = dict.fromkeys(p for p in self.waiting if p.pulls or p.inits)  # (every 0.5 s: a look at all parts took 23 ms for 100,000)
+        late = [p for p in self.waiting if any(now - w.since > self.timeout for w in (*p.pulls, *p.inits))]
         out = []
-        for p in [p for p in self.parts.values() if p.pulls or p.inits]:  # (every 0.5 s: most parts have nothing waiting)
+        for p in sorted(late, key=lambda p: (p.key, p.index)):
             for w in [w for w in p.pulls if now - w.since > self.timeout]:
                 p.pulls.remove(w)
                 missing = [r for r in self.workers if p.rounds + len(p.queued.get(r, ())) + (p.held is not None) < w.round]

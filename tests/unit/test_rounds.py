@@ -8,6 +8,7 @@ after round i with ``sgd(learning_rate=lr, rescale_grad=r)``.
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Optional
 
 import pytest
@@ -244,6 +245,29 @@ def test_the_expiry_sweep_looks_only_at_parts_with_requests_waiting() -> None:
     for p in r.parts.values():
         p.pulls, p.inits = Watched(), Watched()
     assert r.expire(1e12) == [] and Watched.reads == 0
+
+
+def test_the_expiry_sweep_still_fails_every_late_request_among_idle_parts() -> None:
+    """The sweep looks only at the parts where something waited since the one before (a look at every part took
+    23 ms for 100,000 parts): a pull that waits, a part answered and then waiting again, and an INIT waiting for
+    its value still fail once late, in the order of their keys; nothing fails before its deadline, or twice."""
+    r = Rounds(2, timeout=10.0)
+    for rank in range(2):
+        r.init("i", rank, "sync", [entry(key=k, value=torch.ones(4) if rank == 0 else None) for k in range(100)])
+    assert r.init("lonely", 1, "sync", [entry(key=100)]) == []
+    p3, p7 = r.part(3, 0), r.part(7, 0)
+    for p in (p7, p3):
+        r.push("p", 0, [PushEntry(p, 1, torch.ones(4, 1), False)])
+        assert r.pull(f"pull {p.key}", 0, [PullEntry(p, 1)]) == []
+    assert answered(r.push("p", 1, [PushEntry(p3, 1, torch.ones(4, 1), False)])) == [("p", 0), ("pull 3", 0)]
+    assert r.expire(time.monotonic()) == []  # key 3's pull was answered: the sweep forgets the part
+    r.push("p", 0, [PushEntry(p3, 2, torch.ones(4, 1), False)])
+    assert r.pull("again 3", 0, [PullEntry(p3, 2)]) == []  # and it waits again
+    late = r.expire(time.monotonic() + 11)
+    assert [(a.req, type(a.error)) for a in late] == [("again 3", DeadlineExceeded), ("pull 7", DeadlineExceeded),
+                                                      ("lonely", DeadlineExceeded)], late
+    assert "have not pushed key 3" in str(late[0].error) and "have not pushed key 7" in str(late[1].error)
+    assert r.expire(time.monotonic() + 22) == []
 
 
 def test_expiry_names_the_workers_that_have_not_pushed() -> None:
