@@ -367,7 +367,7 @@ class WorkerClient(Node):
         """Block until the payload buffers of ``handle``'s pushes may be reused (zmq has the bytes); its
         rows that wait for a window are sent first. Rows whose bytes are in our shared memory (copied, not from a
         GPU) leave soon instead: a pull that follows may ride on them (:func:`_fold`)."""
-        with self._lock:
+        with self._sending, self._lock:  # (not while a flush, the I/O thread's, has taken its rows and not sent them)
             framed = any(q.frames or q.ready is not None for rows in self._pending.values() for q in rows if q.entry[0] is handle)
         if not framed and not handle.sent:
             return self.flush(soon=True)

@@ -120,6 +120,41 @@ def test_a_pull_after_a_push_of_the_same_parts_rides_on_its_request(inproc_job: 
     assert job.run_workers(body) == [[[("PUSH", 3)]] * 2] * 2  # each server's PUSH: its 3 parts answered with their values
 
 
+def test_a_blocking_push_returns_once_its_rows_are_sent_when_the_io_thread_took_them(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocking push over TCP sends the caller's tensor without a copy, so it returns once zmq has the bytes. If the
+    I/O thread's flush (due for earlier rows) took its rows and had not sent them yet, push saw neither rows queued nor
+    bytes sent and returned at once: the caller's next change of its tensor was what the server got (100, not 1)."""
+    monkeypatch.setenv("PSKV_SHM", "0")
+    job = inproc_job(1, 1, tcp=True)
+    with job.worker() as kv:
+        kv.init("k", torch.zeros(4))
+        client = kv._client  # type: ignore[attr-defined]
+        real, real_wait_sent = client._message, client.wait_sent
+        taken, go = threading.Event(), threading.Event()
+
+        def slow(server: int, kind: Type, batch: Any) -> Any:  # the I/O thread's flush: its rows taken, not sent yet
+            if kind == Type.PUSH:
+                taken.set()
+                go.wait(10)
+            return real(server, kind, batch)
+
+        def racing(handle: Any) -> None:
+            threading.Thread(target=client.flush, daemon=True).start()
+            taken.wait(10)
+            threading.Timer(0.3, go.set).start()
+            real_wait_sent(handle)
+
+        client._message, client.wait_sent = slow, racing
+        g = torch.ones(4)
+        kv.push("k", g)
+        g.fill_(100.0)  # push returned: the caller may change its tensor
+        go.wait(10)
+        client._message, client.wait_sent = real, real_wait_sent
+        out = torch.empty(4)
+        kv.pull("k", out)
+        assert out.tolist() == [1.0] * 4, out
+
+
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, shm: str) -> None:
     """Over TCP a push goes out every PSKV_BATCH_BYTES; through shared memory in one message per
