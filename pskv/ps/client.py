@@ -9,6 +9,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, NamedTuple, Optional, cast
 
 import torch
@@ -18,6 +19,8 @@ from ..errors import (
     ClusterError,
     DeadlineExceeded,
     NodeFailedError,
+    NonFiniteError,
+    OptimizerError,
     ProtocolError,
     PSKVError,
     StoreClosedError,
@@ -60,7 +63,7 @@ def _by_priority(batch: list[Queued]) -> list[Queued]:
     return [q for *_, q in sorted(order, key=lambda o: o[:2])]
 
 
-def _fold(batches: dict[tuple[int, Type], list[Queued]]) -> None:
+def _fold(batches: dict[tuple[int, Type], list[Queued]], again: Callable[[int, Queued, BaseException], bool]) -> None:
     """A whole pull of a part that goes with a plain push of it (``kv.push`` then ``kv.pull``) rides on that push's
     row, in place: the push is answered with the part's value, as ``pushpull``'s (one request and one answer, not two)."""
     for (server, kind), pulls in batches.items():
@@ -69,7 +72,7 @@ def _fold(batches: dict[tuple[int, Type], list[Queued]]) -> None:
         for q in list(pulls) if plain else ():
             if not any(q.row[4:7]) and (i := plain.pop((q.row[0], q.row[1], q.row[2]), None)) is not None:  # (rows, rescale, mirror: none)
                 push = pushes[i]  # type: ignore[index]
-                both = cast(Handle, Both(push.entry[0], q.entry[0]))
+                both = cast(Handle, Both(push.entry[0], q.entry[0], partial(again, server, q)))
                 pushes[i] = push._replace(row=(*push.row[:8], 1, push.row[9]), entry=(both, *q.entry[1:]))  # type: ignore[index]
                 pulls.remove(q)
 
@@ -244,7 +247,7 @@ class WorkerClient(Node):
                 for (server, _), batch, _ in batches:
                     self._pending_bytes[server] -= sum(q.nbytes for q in batch)
                 if not self.replicas:
-                    _fold(dict(((s, kind), b) for (s, kind), b, _ in batches))
+                    _fold(dict(((s, kind), b) for (s, kind), b, _ in batches), self._pull_again)
                 # the parts of pushes that wait: their pulls wait behind them (a pull sees the earlier pushes)
                 waiting = {s: {(q.row[0], q.row[1]) for q in rows} for (s, kind), rows in self._pending.items() if kind == Type.PUSH and self._window}
             held = []
@@ -265,6 +268,15 @@ class WorkerClient(Node):
                 self._held_until = time.monotonic() + FLUSH_DELAY / 2 if held_back else None
             if held_back and self._dozing:
                 self.van.wake()
+
+    def _pull_again(self, server: int, q: Queued, error: BaseException) -> bool:
+        """A pull that rode on a push the server refused for its values (``_fold``) goes on its own, as it would have
+        (that round skipped): queued again, true; false for another error, or once the store is closed or failed."""
+        if not isinstance(error, (NonFiniteError, OptimizerError)) or self._stop or self.tracker.fatal is not None:
+            return False
+        self.queue(server, Type.PULL, q.row, q.frames, q.entry, priority=q.priority)
+        self.flush(soon=True)
+        return True
 
     def _room(self, server: int) -> float:
         """Bytes of pushes ``server``'s connection takes now: ``PSKV_WINDOW_BYTES`` less those zmq has not sent."""

@@ -93,13 +93,15 @@ class Handle:
 class Both:
     """The calls of a push and of a pull that rides on its row (``client._fold``): its answer settles both."""
 
-    __slots__ = ("pull", "push", "sent")  # (sent: unread, its push's wait_sent returned before it rode)
+    __slots__ = ("again", "pull", "push", "sent")  # (sent: unread, its push's wait_sent returned before it rode)
 
-    def __init__(self, push: Handle, pull: Handle):
-        self.push, self.pull, self.sent = push, pull, ()
+    def __init__(self, push: Handle, pull: Handle, again: Callable[[BaseException], bool]):
+        self.push, self.pull, self.again, self.sent = push, pull, again, ()
 
     def _settle(self, error: Optional[BaseException] = None) -> None:
         self.push._settle(error)
+        if error is not None and self.again(error):  # the push was refused for its values: the pull goes on its own
+            error = None
         self.pull._settle(error)
 
 

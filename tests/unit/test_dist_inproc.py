@@ -155,6 +155,30 @@ def test_a_blocking_push_returns_once_its_rows_are_sent_when_the_io_thread_took_
         assert out.tolist() == [1.0] * 4, out
 
 
+@pytest.mark.parametrize("codec", [None, "fp16"])
+def test_a_pull_that_rode_on_a_refused_push_is_answered_on_its_own(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, codec: Any) -> None:
+    """A push of NaN refused (PSKV_NONFINITE=error) is said by its own wait, once; a pull after it gets the value as
+    before that push (a request that fails answers that request and no other). The pull rode on the refused push's row
+    (client._fold), and its wait raised the push's error again, its out not written."""
+    monkeypatch.setenv("PSKV_NONFINITE", "error")
+    monkeypatch.setenv("PSKV_SHM", "1")
+    monkeypatch.setenv("PSKV_BIGARRAY_BOUND", "4")  # 2 parts, one a server: the NaN is in one
+    with inproc_job(1, 2).worker() as kv:
+        kv.init("k", torch.full((8,), 5.0))
+        if codec:
+            kv.set_gradient_compression({"type": codec})
+        out = torch.zeros(8)
+        pushed = kv.push("k", torch.tensor([1.0, float("nan"), 1, 1, 2, 2, 2, 2]), wait=False)
+        pulled = kv.pull("k", out, wait=False)
+        with pytest.raises(pskv.NonFiniteError, match="NaN"):
+            pushed.wait()  # type: ignore[union-attr]
+        pulled.wait()  # type: ignore[union-attr]
+        assert out.tolist() == [5.0] * 4 + [2.0] * 4, out
+        kv.push("k", torch.ones(8))
+        kv.pull("k", out)
+        assert out.tolist() == [1.0] * 8, out
+
+
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, shm: str) -> None:
     """Over TCP a push goes out every PSKV_BATCH_BYTES; through shared memory in one message per
