@@ -381,7 +381,7 @@ class WorkerClient(Node):
         GPU) leave soon instead: a pull that follows may ride on them (:func:`_fold`)."""
         with self._sending, self._lock:  # (not while a flush, the I/O thread's, has taken its rows and not sent them)
             framed = any(q.frames or q.ready is not None for rows in self._pending.values() for q in rows if q.entry[0] is handle)
-        if not framed and not handle.sent:
+        if not framed and not handle.sent and not self._window:  # (a window may hold them back: a whole message would overtake them)
             return self.flush(soon=True)
         self.flush()
         until = time.monotonic() + self.tracker.timeout

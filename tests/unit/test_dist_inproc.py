@@ -179,6 +179,27 @@ def test_a_pull_that_rode_on_a_refused_push_is_answered_on_its_own(inproc_job: J
         assert out.tolist() == [1.0] * 8, out
 
 
+def test_a_blocking_push_waits_for_its_rows_where_a_window_may_hold_them_back(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A blocking push through shared memory returns with its rows still queued, so that a pull may ride on them; with
+    PSKV_WINDOW_BYTES (a job across hosts) a full window may hold them back, and a whole message sent next (set_optimizer,
+    save_optimizer_states) would overtake them: there it waits for them to leave, as every blocking push did."""
+    from pskv.ps import client
+
+    monkeypatch.setenv("PSKV_SHM", "1")
+    monkeypatch.setattr(client, "FLUSH_IDLE", 5.0)  # (the I/O thread would send them soon: not within this test)
+    monkeypatch.setattr(client, "FLUSH_DELAY", 10.0)
+    with inproc_job(1, 1).worker() as kv:
+        kv.init(["k", "j"], [torch.zeros(4), torch.zeros(4)])
+        worker = kv._client  # type: ignore[attr-defined]
+        kv.push("k", torch.ones(4))
+        assert worker._pending, "no window: the push's rows wait for the next flush"
+        worker._window = 1 << 20
+        kv.push("j", torch.ones(4))  # (another key: its shared-memory slot is free)
+        assert not worker._pending, "a window: the push returned with its rows queued"
+        kv.pull(["k", "j"], outs := [torch.empty(4), torch.empty(4)])
+        assert all(o.tolist() == [1.0] * 4 for o in outs), outs
+
+
 @pytest.mark.parametrize("shm", ["1", "0"])
 def test_push_messages_per_data_path(inproc_job: Job, monkeypatch: pytest.MonkeyPatch, shm: str) -> None:
     """Over TCP a push goes out every PSKV_BATCH_BYTES; through shared memory in one message per
