@@ -308,7 +308,8 @@ class WorkerClient(Node):
         frames = [f for q in batch for f in q.frames]
         table = (PUSH if kind == Type.PUSH else PULL).pack([q.row for q in batch])
         msg = Message(kind, meta=(self.push_meta or None) if kind == Type.PUSH else None, frames=[table, *frames])
-        req = self.tracker.open(msg, f"{kind.name.lower()} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
+        what = "push and pull" if kind == Type.PUSH and any(q.row[8] for q in batch) else kind.name.lower()  # (rows with reply: pushpull's, or a pull rode)
+        req = self.tracker.open(msg, f"{what} of {len(batch)} parts", f"server {server}", [q.entry for q in batch])
         req.rows = [(q.row, q.frames) for q in batch] if self.replicas else None  # sent again on a failover
         if server in self.shm_servers:  # answers may be slots of its shared memory
             pid = int(self.servers[server]["pid"])

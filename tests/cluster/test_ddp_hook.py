@@ -123,7 +123,7 @@ def test_a_failed_exchange_reaches_backward_as_pskvs_error(tmp_path: Path) -> No
     res = jobs.launch(tmp_path, A_WORKER_LEAVES, 2, 1, timeout=120)
     assert res.code == 0, res
     assert "backward raised " in res.stdout and "Unable to cast" not in res.stdout, res
-    assert "NodeFailedError: push of 1 parts: worker 1 finished (closed its store) without pushing key" in res.stdout, res
+    assert "NodeFailedError: push and pull of 1 parts: worker 1 finished (closed its store) without pushing key" in res.stdout, res
 
 
 def test_ddp_hook_refuses_what_it_cannot_do() -> None:

@@ -576,7 +576,7 @@ def test_an_interrupt_as_an_answer_is_read_fails_that_call_once_and_the_store_go
         with pytest.raises(KeyboardInterrupt):
             h.wait()  # type: ignore[union-attr]
         try:
-            with pytest.raises(pskv.ClusterError, match="push of 2 parts: its answer was cut short by KeyboardInterrupt"):
+            with pytest.raises(pskv.ClusterError, match="push and pull of 2 parts: its answer was cut short by KeyboardInterrupt"):
                 h.wait()  # type: ignore[union-attr]
             kv.pull([0, 1], outs)
             assert all(torch.equal(o, torch.ones(4)) for o in outs), outs
