@@ -67,14 +67,19 @@ def _fold(batches: dict[tuple[int, Type], list[Queued]], again: Callable[[int, Q
     """A whole pull of a part that goes with a plain push of it (``kv.push`` then ``kv.pull``) rides on that push's
     row, in place: the push is answered with the part's value, as ``pushpull``'s (one request and one answer, not two)."""
     for (server, kind), pulls in batches.items():
-        pushes = batches.get((server, Type.PUSH)) if kind == Type.PULL else None
-        plain = {(q.row[0], q.row[1], q.row[2]): i for i, q in enumerate(pushes or []) if not (q.row[3] == PushKind.SPARSE or any(q.row[7:9]))}
-        for q in list(pulls) if plain else ():
-            if not any(q.row[4:7]) and (i := plain.pop((q.row[0], q.row[1], q.row[2]), None)) is not None:  # (rows, rescale, mirror: none)
-                push = pushes[i]  # type: ignore[index]
-                both = cast(Handle, Both(push.entry[0], q.entry[0], partial(again, server, q)))
-                pushes[i] = push._replace(row=(*push.row[:8], 1, push.row[9]), entry=(both, *q.entry[1:]))  # type: ignore[index]
-                pulls.remove(q)
+        pushes = batches.get((server, Type.PUSH), []) if kind == Type.PULL else []
+        plain = {(q.row[0], q.row[1], q.row[2]): i for i, q in enumerate(pushes) if not (q.row[3] == PushKind.SPARSE or any(q.row[7:9]))}
+        if not plain:
+            continue
+        kept = []  # (filtered in one pass: thousands of keys may be pushed and pulled in one flush)
+        for q in pulls:
+            if any(q.row[4:7]) or (i := plain.pop((q.row[0], q.row[1], q.row[2]), None)) is None:  # (rows, rescale, mirror: none)
+                kept.append(q)
+                continue
+            push = pushes[i]
+            both = cast(Handle, Both(push.entry[0], q.entry[0], partial(again, server, q)))
+            pushes[i] = push._replace(row=(*push.row[:8], 1, push.row[9]), entry=(both, *q.entry[1:]))
+        pulls[:] = kept
 
 
 class WorkerClient(Node):
