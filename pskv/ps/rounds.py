@@ -25,7 +25,6 @@ from ..errors import (
 from ..ops import outside, reduce_values
 from ..optim import KeyState, Optimizer, apply_push, updatable
 
-PART_BITS = 20  # an optimizer state's key: key << PART_BITS | part
 ANSWER_BYTES = 4 << 20  # a pull that applies held updates answers what is done after about this many bytes of them
 
 
@@ -85,6 +84,7 @@ class Part:
     numel: int
     row_numel: int
     mode: str  # "sync" | "async"
+    state_key: int  # its optimizer state's key: the order in which this server first saw the parts
     value: Optional[Tensor] = None  # rows x row_numel, once worker 0's INIT arrived
     home: Any = None  # where the server keeps the value (its shared-memory slot), opaque here
     scratch: Optional[Tensor] = None  # where a round's pushes are summed before the optimizer runs
@@ -106,10 +106,6 @@ class Part:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
-
-    @property
-    def state_key(self) -> int:
-        return self.key << PART_BITS | self.index
 
     def __str__(self) -> str:
         return f"key {self.name} part {self.index}"
@@ -155,7 +151,7 @@ class Rounds:
                 return [Answer(req, 0, error=err), *(replace(w, error=err) for w in waiting)]
         out: list[Answer] = []
         for i, e in enumerate(entries):
-            p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode))
+            p = self.parts.setdefault((e.key, e.part), Part(e.key, e.part, e.name, e.dtype, e.numel, e.row_numel, mode, len(self.parts)))
             p.initialised_by.add(rank)  # (again: its init cut short, by an interrupt or a deadline, is answered as the first)
             p.inits.append(Answer(req, i))
             if e.value is not None and p.value is None:

@@ -435,3 +435,17 @@ def test_a_held_rounds_rescale_is_for_its_update_only() -> None:
     assert torch.all(held.value == 1 - 0.5)
     r.push("plain", 0, [PushEntry(plain, 1, torch.full((4, 1), 1.0), False)])
     assert torch.all(plain.value == 1 - 1.0) and r.optimizer is not None and r.optimizer.rescale_grad == 1.0
+
+
+def test_parts_of_different_keys_never_share_an_optimizer_state() -> None:
+    """A state's key was ``key << 20 | part``: part 2**20 of key 0 (a key cut in over a million parts, possible with a
+    small PSKV_CHUNK_BYTES) and part 0 of key 1 shared one momentum buffer, so each got the other's momentum."""
+    r = Rounds(1, timeout=10.0)
+    big = InitEntry(0, 1 << 20, "0", torch.float32, 1, 1, torch.zeros(1))
+    r.init("init", 0, "sync", [big, entry(key=1, numel=1, value=torch.zeros(1))])
+    r.set_optimizer(pskv.optim.create("sgd", learning_rate=1.0, momentum=0.5).describe(), keep_states=False)
+    a, b = r.part(0, 1 << 20), r.part(1, 0)
+    for step in range(1, 3):
+        r.push("push", 0, [PushEntry(a, step, torch.ones(1, 1), False), PushEntry(b, step, torch.full((1, 1), 10.0), False)])
+    # momentum SGD (SPEC): m = 0.5 m + g; w -= lr * m; two steps from 0 with g: -(g + 1.5 g) = -2.5 g each
+    assert a.value.item() == -2.5 and b.value.item() == -25.0, (a.value, b.value)
