@@ -179,6 +179,28 @@ def test_a_pull_that_rode_on_a_refused_push_is_answered_on_its_own(inproc_job: J
         assert out.tolist() == [1.0] * 8, out
 
 
+def test_a_row_sparse_push_of_nan_counts_as_zero_rows_under_skip(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PSKV_NONFINITE=skip: a push holding NaN or Inf counts as zeros (SPEC). For a row-sparse push, zeros on its rows:
+    without an optimizer the round's rows replace the value (the others zero); with sgd the NaN rows move by lr * wd * w."""
+    monkeypatch.setenv("PSKV_NONFINITE", "skip")
+    job = inproc_job(2, 1)
+
+    def body(kv: KVStore) -> list[list[float]]:
+        rows = lambda r, v: torch.sparse_coo_tensor(torch.tensor([[r]]), torch.full((1, 2), v), (4, 2))  # noqa: E731
+        kv.init(["plain", "opt"], [torch.full((4, 2), 3.0), torch.full((4, 2), 3.0)])
+        kv.push("plain", rows(1, float("nan")) if kv.rank == 0 else rows(2, 5.0))
+        out = torch.zeros(4, 2)
+        kv.pull("plain", out)
+        kv.set_optimizer(pskv.optim.create("sgd", learning_rate=0.5, wd=0.1))
+        kv.push("opt", rows(1, float("inf")) if kv.rank == 0 else rows(2, 2.0))
+        got = torch.zeros(4, 2)
+        kv.pull("opt", got)
+        return [out[:, 0].tolist(), [round(v, 5) for v in got[:, 0].tolist()]]
+
+    # opt: row 1 (zeros pushed): 3 - 0.5 * 0.1 * 3 = 2.85; row 2: 3 - 0.5 * (2 + 0.1 * 3) = 1.85; rows 0 and 3 no gradient
+    assert job.run_workers(body) == [[[0.0, 0.0, 5.0, 0.0], [3.0, 2.85, 1.85, 3.0]]] * 2
+
+
 def test_a_blocking_push_waits_for_its_rows_where_a_window_may_hold_them_back(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """A blocking push through shared memory returns with its rows still queued, so that a pull may ride on them; with
     PSKV_WINDOW_BYTES (a job across hosts) a full window may hold them back, and a whole message sent next (set_optimizer,
