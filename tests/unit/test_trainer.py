@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, Optional
 
@@ -986,24 +987,26 @@ def test_replicas_sparse_rows_whose_summed_gradient_is_zero_are_updated_lazily(s
         assert torch.allclose(e.weight.detach()[:, 0], torch.tensor([-0.5675, 0.8575, 0.8575, -1.9925, 1.0])), e.weight
 
 
+def _embedding_steps(kv: Optional[KVStore], steps: list[list[int]], hyper: dict[str, float], **kw: Any) -> torch.Tensor:
+    """An nn.Embedding(sparse=True) of ones trained on ``steps`` (the rows each step looks up; none: no gradient)."""
+    emb = nn.Embedding(6, 2, sparse=True)
+    nn.init.ones_(emb.weight)
+    tr = pskv.Trainer(emb.parameters(), "sgd", hyper, kvstore=kv, **kw)
+    for ids in steps:
+        if ids:
+            emb(torch.tensor(ids)).sum().backward()
+        tr.step(1, ignore_stale_grad=True)
+        emb.weight.grad = None
+    tr.synchronize()
+    return emb.weight.detach().clone()
+
+
 def test_a_worker_without_a_sparse_gradient_in_a_step_updates_as_the_others(inproc_job: Job) -> None:
     """Worker 1 does not use the embedding in step 2 (ignore_stale_grad): it pushed dense zeros and took the sum
     dense, so its optimizer ran on every row (momentum) where the others' ran lazily on the rows looked up:
     the workers drifted apart. Every worker ends with the weights of one process trained on the union batch."""
     lookups = {0: [[0, 1], [1], [0, 5]], 1: [[4], [], [5]]}
-
-    def train(kv: Optional[KVStore], steps: list[list[int]], **kw: Any) -> torch.Tensor:
-        emb = nn.Embedding(6, 2, sparse=True)
-        nn.init.ones_(emb.weight)
-        tr = pskv.Trainer(emb.parameters(), "sgd", {"learning_rate": 0.5, "momentum": 0.9}, kvstore=kv, **kw)
-        for ids in steps:
-            if ids:
-                emb(torch.tensor(ids)).sum().backward()
-            tr.step(1, ignore_stale_grad=True)
-            emb.weight.grad = None
-        tr.synchronize()
-        return emb.weight.detach().clone()
-
+    train = partial(_embedding_steps, hyper={"learning_rate": 0.5, "momentum": 0.9})
     want = train(None, [a + b for a, b in zip(lookups[0], lookups[1])])
     for update_on_kvstore in (False, True):
         for overlap in (False, True):
@@ -1054,19 +1057,7 @@ def test_a_worker_without_a_sparse_gradient_in_its_first_step_updates_as_the_oth
     stand-in is dense zeros, the round's sum is dense, and weight decay reaches every row (the servers' optimizer),
     or worker 1's alone (update_on_kvstore=False: the workers' weights differ). One process would decay rows 0 and 1."""
     lookups = {0: [[0, 1], [1], [0, 5]], 1: [[], [4], [5]]}
-
-    def train(kv: Optional[KVStore], steps: list[list[int]], **kw: Any) -> torch.Tensor:
-        emb = nn.Embedding(6, 2, sparse=True)
-        nn.init.ones_(emb.weight)
-        tr = pskv.Trainer(emb.parameters(), "sgd", {"learning_rate": 0.5, "momentum": 0.9, "wd": 0.1}, kvstore=kv, **kw)
-        for ids in steps:
-            if ids:
-                emb(torch.tensor(ids)).sum().backward()
-            tr.step(1, ignore_stale_grad=True)
-            emb.weight.grad = None
-        tr.synchronize()
-        return emb.weight.detach().clone()
-
+    train = partial(_embedding_steps, hyper={"learning_rate": 0.5, "momentum": 0.9, "wd": 0.1})
     want = train(None, [a + b for a, b in zip(lookups[0], lookups[1])])
     assert want[2].tolist() == [1.0, 1.0], "rows no step looked up keep their weights in one process"
     wrong = []
