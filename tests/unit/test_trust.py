@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -396,3 +397,34 @@ def test_pushes_sent_before_a_refusal_came_back_are_rounds_after_it(inproc_job: 
         kv.push("w", torch.full((4,), 0.25))
         kv.pull("w", out)
         assert out.tolist() == [-0.75] * 4
+
+
+def test_a_peers_shared_memory_is_mapped_only_as_it_says_and_read_only_inside_its_arena(tmp_path: Any) -> None:
+    """What a worker says of its shared memory (the probe, then each push's fd and offset) is checked before a server
+    reads a byte: the pid the node table has, the arena's magic and token, and a slot inside the arena and aligned."""
+    from pskv.ps.shm import ALIGN, Shared
+
+    mine, theirs = Shared(), Shared()
+    probe, pid = mine.probe(), os.getpid()
+    refusals = [
+        (lambda: theirs.accept({**probe, "pid": pid + 1}, pid), f"a shared-memory probe from pid {pid + 1}, but the peer registered pid {pid}"),
+        (lambda: theirs.accept({"pid": pid}, pid), "a malformed shared-memory probe: KeyError"),
+        (lambda: theirs.accept({**probe, "token": "zz"}, pid), "a malformed shared-memory probe: ValueError"),
+        (lambda: theirs.accept({**probe, "token": "00" * 16}, pid), f"shared memory of pid {pid} fd {probe['fd']} has another token"),
+    ]
+    with open(tmp_path / "plain", "wb+") as f:
+        f.write(b"x" * 4096)
+        f.flush()
+        refusals.append((lambda: theirs.tensor(pid, f.fileno(), ALIGN, 4, torch.float32), "is not a pskv arena"))
+        refusals.append((lambda: theirs.tensor(pid, 10**6, ALIGN, 4, torch.float32), f"cannot open shared memory /proc/{pid}/fd/1000000"))
+        for call, said in refusals:
+            with pytest.raises(pskv.ProtocolError, match=re.escape(said)):
+                call()
+    theirs.accept(probe, pid)
+    size = mine.arenas[0].size
+    for offset, nbytes in ((0, 4), (ALIGN, size), (ALIGN + 2, 4), (ALIGN, 6), (size, 4)):  # the header, past the end, misaligned
+        with pytest.raises(pskv.ProtocolError, match=r"shared-memory slot .* is outside pid"):
+            theirs.tensor(pid, probe["fd"], offset, nbytes, torch.float32)
+    arena, offset = mine.slot(16)
+    arena.tensor(offset, 4, torch.float32).copy_(torch.arange(4.0))
+    assert theirs.tensor(pid, probe["fd"], offset, 16, torch.float32).tolist() == [0.0, 1.0, 2.0, 3.0]
