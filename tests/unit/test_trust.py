@@ -260,6 +260,21 @@ def test_a_nonfinite_push_fails_and_changes_nothing(offline_server: Any, bad: fl
     assert part.pushed.get(1, 0) == 0 and torch.equal(part.value.flatten(), init)
 
 
+@pytest.mark.parametrize("ids", [[4], [-1], [0, 9]])
+def test_a_row_sparse_push_naming_rows_outside_the_part_fails_and_changes_nothing(offline_server: Any, ids: list[int]) -> None:
+    off = offline_server()
+    init = torch.arange(8.0)
+    parts = [[5, 0, "float32", 8, 2, False, "w"]]  # 4 rows of 2
+    off.send("w0", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}, [tensor_frame(init)]))
+    off.send("w1", Message(Type.INIT, 1, {"mode": "sync", "parts": parts}))
+    frames = [tensor_frame(torch.tensor(ids)), tensor_frame(torch.ones(len(ids), 2))]
+    answer = off.send("w1", Message(Type.PUSH, 2, None, [PUSH.pack([(5, 0, 1, 1, 2, -1, 0, 0, 0, 0)]), *frames]))[-1]
+    assert answer.type == Type.ERROR and answer.meta["kind"] == "ProtocolError", answer
+    assert "key w part 0: pushed row ids outside [0, 4)" in answer.meta["message"]
+    part = off.server.rounds.part(5, 0)
+    assert part.pushed.get(1, 0) == 0 and torch.equal(part.value.flatten(), init)
+
+
 @pytest.mark.parametrize(("dtype", "values", "finite"), [
     ("float16", [60000.0, 60000.0], True),  # finite values whose sum overflows float16: accepted
     ("complex64", [1 + 1j, complex(0, float("nan"))], False),
