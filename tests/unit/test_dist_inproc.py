@@ -547,6 +547,23 @@ def test_worker_leaving_early_fails_the_round_naming_it(inproc_job: Job) -> None
     assert job.run_workers(body) == ["failed fast", "left"]
 
 
+def test_a_barrier_that_a_finished_worker_can_never_reach_fails_at_once_naming_it(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker 1 closes its store while worker 0 waits in a barrier: worker 0 hears at once that worker 1 finished
+    without it (never silent), not after PSKV_TIMEOUT."""
+    monkeypatch.setenv("PSKV_TIMEOUT", "60")
+
+    def body(kv: KVStore) -> str:
+        if kv.rank == 1:
+            time.sleep(0.5)
+            return "closed"  # (run_workers closes its store)
+        start = time.monotonic()
+        with pytest.raises(pskv.NodeFailedError, match=r"worker 1 .*finished \(closed its store\) without reaching the barrier of the workers"):
+            kv.barrier()
+        return f"failed in {time.monotonic() - start < 10}"
+
+    assert inproc_job(2, 1).run_workers(body) == ["failed in True", "closed"]
+
+
 def test_a_worker_that_fails_with_calls_in_flight_is_said_at_once(inproc_job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """Closing a store waited up to PSKV_TIMEOUT for the answers of its calls in flight, also when its worker failed
     (an uncaught exception, a KeyboardInterrupt), whose place in the job ends anyway: here worker 0 fails with a pushpull
