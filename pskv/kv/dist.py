@@ -278,7 +278,9 @@ class DistStore(KVStore):
                 earlier.copies = []  # done: the other keys of that call need not wait for them again
             if where in self._slot_busy and self._slot_busy[where].finished:
                 del self._slot_busy[where]
-            yield p, self._round_sent.get(where, 0) + 1, where in self._slot_busy  # (counted once the rows are made)
+            if busy := where in self._slot_busy:  # its last push may still be queued (a blocking one returns before it is sent): it
+                self._client.flush()  # leaves first, on its own, or a refusal of it would fail this one too (an ERROR fails a whole message)
+            yield p, self._round_sent.get(where, 0) + 1, busy  # (counted once the rows are made)
 
     def _slot(self, meta: KeyMeta, p: Part, gpu: bool) -> tuple[Tensor, tuple[int, int]]:
         """The host memory a part is pushed from, made once, and its (fd, offset): our shared memory
